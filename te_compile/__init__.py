@@ -1,1 +1,49 @@
-"""te_compile: a torch.compile backend for TransformerEngine-style FP8/FP4 training."""
+"""te_compile: a torch.compile backend for TransformerEngine-style FP8/FP4 training.
+
+``torch.compile(model, backend="te")`` rewrites the linear layers of an unchanged model into FP8
+GEMMs under the recipe chosen in ``te_compile.toml``. The quantizers and quantized tensors it is
+built on are usable eagerly on their own (``te_compile.tensor``).
+"""
+
+from . import recipe
+from .hardware import (
+    get_device_compute_capability,
+    is_bf16_available,
+    is_fp8_available,
+    is_fp8_block_scaling_available,
+    is_mxfp8_available,
+    is_nvfp4_available,
+)
+from .tensor import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    QuantizedTensor,
+    QuantizedTensorStorage,
+    Quantizer,
+    prepare_for_saving,
+    restore_from_saved,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    # recipes (te_compile.recipe holds the classes)
+    "recipe",
+    # quantization core, usable eagerly
+    "Quantizer",
+    "QuantizedTensorStorage",
+    "QuantizedTensor",
+    "prepare_for_saving",
+    "restore_from_saved",
+    "Float8Quantizer",
+    "Float8CurrentScalingQuantizer",
+    "Float8Tensor",
+    # hardware probes
+    "get_device_compute_capability",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
+]

@@ -1,0 +1,92 @@
+"""What the current device runs natively and what te_compile emulates, in one place.
+
+Mirrors TransformerEngine's ``is_*_available(return_reason=...)``. "Available" means the device has
+native GEMMs for the format; where it does not, te_compile still runs the recipe with an exact
+dequantize-then-matmul emulation, and the reason string says so.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+
+__all__ = [
+    "get_device_compute_capability",
+    "is_bf16_available",
+    "is_fp8_available",
+    "is_mxfp8_available",
+    "is_fp8_block_scaling_available",
+    "is_nvfp4_available",
+]
+
+DeviceLike = Optional[Union[str, torch.device]]
+
+
+def _device(device: DeviceLike) -> torch.device:
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def get_device_compute_capability(device: DeviceLike = None) -> tuple[int, int]:
+    """(major, minor) of a CUDA device; (0, 0) for a CPU."""
+    device = _device(device)
+    if device.type != "cuda":
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+def _answer(ok: bool, reason: str, return_reason: bool):
+    return (ok, reason) if return_reason else ok
+
+
+def _cuda_probe(device, need: tuple[int, int], what: str, return_reason: bool):
+    cc = get_device_compute_capability(device)
+    if cc >= need:
+        return _answer(True, f"{what}: native on compute capability {cc[0]}.{cc[1]}", return_reason)
+    return _answer(
+        False,
+        f"{what}: needs compute capability {need[0]}.{need[1]}+, found {cc[0]}.{cc[1]}; "
+        "te_compile emulates it (dequantize-then-matmul)",
+        return_reason,
+    )
+
+
+def is_bf16_available(return_reason: bool = False, device: DeviceLike = None):
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(True, "bf16: supported on CPU (slow matmuls; test in fp32)", return_reason)
+    return _cuda_probe(device, (8, 0), "bf16", return_reason)
+
+
+def is_fp8_available(return_reason: bool = False, device: DeviceLike = None):
+    """Per-tensor FP8 GEMMs (torch._scaled_mm): CPU and CUDA sm89+ run them natively."""
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(True, "FP8: torch._scaled_mm runs per-tensor FP8 GEMMs on CPU", return_reason)
+    return _cuda_probe(device, (8, 9), "FP8", return_reason)
+
+
+def is_mxfp8_available(return_reason: bool = False, device: DeviceLike = None):
+    """MXFP8 block-scaled GEMMs: Blackwell (sm100+) only; emulated elsewhere."""
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(False, "MXFP8: emulated on CPU (dequantize-then-matmul)", return_reason)
+    return _cuda_probe(device, (10, 0), "MXFP8", return_reason)
+
+
+def is_fp8_block_scaling_available(return_reason: bool = False, device: DeviceLike = None):
+    """1x128 / 128x128 block-scaled FP8 GEMMs: Hopper (sm90) and later; emulated elsewhere."""
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(False, "FP8 block scaling: emulated on CPU (dequantize-then-matmul)", return_reason)
+    return _cuda_probe(device, (9, 0), "FP8 block scaling", return_reason)
+
+
+def is_nvfp4_available(return_reason: bool = False, device: DeviceLike = None):
+    """NVFP4 GEMMs: Blackwell (sm100+) only; emulated elsewhere."""
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(False, "NVFP4: emulated on CPU (dequantize-then-matmul)", return_reason)
+    return _cuda_probe(device, (10, 0), "NVFP4", return_reason)

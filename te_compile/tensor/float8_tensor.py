@@ -1,0 +1,339 @@
+"""Float8Tensor: per-tensor scaled FP8 data behind a high-precision tensor interface.
+
+Fields (TransformerEngine's names):
+- ``_data``: uint8 view of the fp8 bytes, in the tensor's logical shape (the rowwise copy).
+- ``_scale_inv``: fp32 [1]; value = fp8 * scale_inv.
+- ``_fp8_dtype``: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+- ``_transpose``: uint8 [last_dim, numel // last_dim], the columnwise copy (the 2-D transpose), made
+  by ``update_usage(columnwise_usage=True)`` and dropped whenever ``_data`` changes shape or values.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, implements
+
+__all__ = ["Float8TensorStorage", "Float8Tensor"]
+
+aten = torch.ops.aten
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _transpose_2d(data: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [K, numel // K] contiguous: the operand layout of GEMMs that contract dim 0."""
+    last = data.shape[-1] if data.dim() > 0 else 1
+    return data.reshape(-1, last).t().contiguous()
+
+
+class Float8TensorStorage(QuantizedTensorStorage):
+    """The buffers of a Float8Tensor without torch.Tensor behaviour (TE's internal tensor)."""
+
+    def __init__(
+        self,
+        data: Optional[torch.Tensor],
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        *,
+        data_transpose: Optional[torch.Tensor] = None,
+        quantizer=None,
+        shape: Optional[torch.Size] = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype)
+
+    def _init_fields(self, data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype):
+        if fp8_dtype not in _FP8_DTYPES:
+            raise ValueError(f"fp8_dtype must be one of {_FP8_DTYPES}, got {fp8_dtype!r}")
+        if data is None and data_transpose is None:
+            raise ValueError("a Float8Tensor needs _data or _transpose (both were None)")
+        if data is not None and data.dtype is not torch.uint8:
+            raise ValueError(f"_data must be a uint8 view of fp8 bytes, got dtype {data.dtype}")
+        if scale_inv.dtype is not torch.float32 or scale_inv.numel() != 1:
+            raise ValueError(
+                f"_scale_inv must be an fp32 tensor with one element, got {scale_inv.dtype} "
+                f"of shape {tuple(scale_inv.shape)}"
+            )
+        if shape is None and data is None:
+            raise ValueError("shape is required when only the transpose is given")
+        self._data = data
+        self._scale_inv = scale_inv.reshape(1)
+        self._fp8_dtype = fp8_dtype
+        self._transpose = data_transpose
+        self._quantizer = quantizer
+        self._logical_shape = torch.Size(shape if shape is not None else data.shape)
+        self._nominal_dtype = dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self._logical_shape
+
+    @property
+    def device(self) -> torch.device:
+        return self._scale_inv.device
+
+    def _rowwise_data(self) -> torch.Tensor:
+        if self._data is not None:
+            return self._data
+        # Only the columnwise copy is left: transpose it back.
+        return self._transpose.t().contiguous().reshape(self._logical_shape)
+
+    def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+        values = self._rowwise_data().view(self._fp8_dtype).to(torch.float32) * self._scale_inv
+        return values.to(dtype or self._nominal_dtype)
+
+    def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
+        if columnwise_usage and self._transpose is None:
+            self._transpose = _transpose_2d(self._data)
+        if rowwise_usage and self._data is None:
+            self._data = self._rowwise_data()
+        if rowwise_usage is False:
+            if self._transpose is None:
+                raise ValueError("cannot drop the rowwise copy: no columnwise copy exists")
+            self._data = None
+        if columnwise_usage is False:
+            if self._data is None:
+                raise ValueError("cannot drop the columnwise copy: no rowwise copy exists")
+            self._transpose = None
+        return self
+
+    def prepare_for_saving(self):
+        tensors = [self._data, self._transpose, self._scale_inv]
+        self._data = self._transpose = self._scale_inv = None
+        return tensors, self
+
+    def restore_from_saved(self, tensors):
+        self._data, self._transpose, self._scale_inv = tensors[:3]
+        return list(tensors[3:])
+
+    def clear(self) -> None:
+        self._data = torch.empty(0, dtype=torch.uint8, device=self._scale_inv.device)
+        self._transpose = None
+
+    def get_metadata(self) -> dict:
+        return {
+            "data": self._data,
+            "scale_inv": self._scale_inv,
+            "fp8_dtype": self._fp8_dtype,
+            "data_transpose": self._transpose,
+            "quantizer": self._quantizer,
+        }
+
+
+def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, data_transpose, requires_grad):
+    """torch.load entry point (allow-listed for ``weights_only=True``)."""
+    return Float8Tensor(
+        data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype,
+        data_transpose=data_transpose, requires_grad=requires_grad,
+    )
+
+
+class Float8Tensor(QuantizedTensor, Float8TensorStorage):
+    """A torch.Tensor of nominal ``dtype`` holding per-tensor scaled FP8 data."""
+
+    @staticmethod
+    def __new__(
+        cls,
+        *,
+        data: Optional[torch.Tensor],
+        scale_inv: torch.Tensor,
+        fp8_dtype: torch.dtype,
+        dtype: torch.dtype = torch.float32,
+        data_transpose: Optional[torch.Tensor] = None,
+        quantizer=None,
+        shape: Optional[torch.Size] = None,
+        requires_grad: bool = False,
+    ):
+        if shape is None and data is not None:
+            shape = data.shape
+        if shape is None:
+            raise ValueError("shape is required when only the transpose is given")
+        self = QuantizedTensor.__new__(
+            cls, shape, dtype, device=scale_inv.device, requires_grad=requires_grad
+        )
+        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype)
+        return self
+
+    def __init__(self, *args, **kwargs):  # all work happens in __new__
+        pass
+
+    # torch.Tensor (earlier in the MRO) has a dequantize of its own; the storage's is meant.
+    dequantize = Float8TensorStorage.dequantize
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return (
+            f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
+            f"dtype={self.dtype}, data={self.dequantize()})"
+        )
+
+    def _like(self, data, *, scale_inv=None, dtype=None, data_transpose=None, requires_grad=False):
+        """A Float8Tensor sharing this one's format with new buffers."""
+        return Float8Tensor(
+            data=data,
+            scale_inv=self._scale_inv if scale_inv is None else scale_inv,
+            fp8_dtype=self._fp8_dtype,
+            dtype=dtype or self.dtype,
+            data_transpose=data_transpose,
+            quantizer=self._quantizer,
+            requires_grad=requires_grad,
+        )
+
+    def quantize_(self, tensor: torch.Tensor) -> "Float8Tensor":
+        if self._quantizer is not None:
+            self._quantizer.update_quantized(tensor, self)
+        else:
+            # No quantizer travels with the tensor (e.g. it was rebuilt from saved buffers):
+            # re-quantize with current scaling in the same fp8 format.
+            from .float8_quantizer import Float8CurrentScalingQuantizer
+
+            quantizer = Float8CurrentScalingQuantizer(
+                self._fp8_dtype, columnwise=self._transpose is not None
+            )
+            quantizer.update_quantized(tensor, self)
+        return self
+
+    def detach(self) -> "Float8Tensor":
+        return self._like(self._data, data_transpose=self._transpose)
+
+    def __reduce_ex__(self, protocol):
+        return (
+            _rebuild_float8_tensor,
+            (self._data, self._scale_inv, self._fp8_dtype, self.dtype, self._transpose,
+             self.requires_grad),
+        )
+
+    def __deepcopy__(self, memo):
+        return self._like(
+            self._data.clone(), scale_inv=self._scale_inv.clone(),
+            data_transpose=None if self._transpose is None else self._transpose.clone(),
+            requires_grad=self.requires_grad,
+        )
+
+    # torch.compile: the buffers are the inner tensors; the format travels in the context.
+    def __tensor_flatten__(self):
+        names = ["_data", "_scale_inv"]
+        if self._transpose is not None:
+            names.append("_transpose")
+        return names, (self._fp8_dtype, self.dtype)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        fp8_dtype, dtype = ctx
+        return Float8Tensor(
+            data=inner["_data"], scale_inv=inner["_scale_inv"], fp8_dtype=fp8_dtype, dtype=dtype,
+            data_transpose=inner.get("_transpose"), shape=outer_size,
+        )
+
+
+torch.serialization.add_safe_globals([_rebuild_float8_tensor])
+
+
+# ---- quantized op rules ---------------------------------------------------------------------------
+
+# Ops that only move elements: run them on the bytes and keep the scale. The columnwise copy
+# describes the old layout, so it is dropped.
+_VIEW_OPS = (
+    aten.view.default, aten._unsafe_view.default, aten.as_strided.default, aten.slice.Tensor,
+    aten.select.int, aten.t.default, aten.transpose.int, aten.permute.default,
+    aten.unsqueeze.default, aten.squeeze.dim, aten.squeeze.default, aten.expand.default,
+    aten.alias.default,
+)
+
+
+@implements(Float8Tensor, *_VIEW_OPS)
+def _view_like(func, args, kwargs):
+    self = args[0]
+    return self._like(func(self._rowwise_data(), *args[1:], **kwargs))
+
+
+@implements(Float8Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
+def _split_like(func, args, kwargs):
+    self = args[0]
+    return [self._like(part) for part in func(self._rowwise_data(), *args[1:], **kwargs)]
+
+
+@implements(Float8Tensor, aten.detach.default)
+def _detach(func, args, kwargs):
+    return args[0].detach()
+
+
+@implements(Float8Tensor, aten.clone.default)
+def _clone(func, args, kwargs):
+    self = args[0]
+    fmt = kwargs.get("memory_format")
+    data = self._rowwise_data().clone(memory_format=fmt) if fmt else self._rowwise_data().clone()
+    transpose = None if self._transpose is None else self._transpose.clone()
+    return self._like(data, scale_inv=self._scale_inv.clone(), data_transpose=transpose)
+
+
+def _new_float8(self, shape, fill: Optional[int], kwargs) -> Float8Tensor:
+    """A new Float8Tensor in ``self``'s format: zeros (fill=0) or uninitialized (fill=None)."""
+    device = kwargs.get("device") or self.device
+    maker = torch.zeros if fill == 0 else torch.empty
+    data = maker(shape, dtype=torch.uint8, device=device)
+    return self._like(data, scale_inv=self._scale_inv.clone().to(device), dtype=kwargs.get("dtype"))
+
+
+@implements(Float8Tensor, aten.new_zeros.default)
+def _new_zeros(func, args, kwargs):
+    return _new_float8(args[0], args[1], 0, kwargs)
+
+
+@implements(Float8Tensor, aten.new_empty.default)
+def _new_empty(func, args, kwargs):
+    return _new_float8(args[0], args[1], None, kwargs)
+
+
+@implements(Float8Tensor, aten.empty_like.default)
+def _empty_like(func, args, kwargs):
+    return _new_float8(args[0], args[0].shape, None, kwargs)
+
+
+@implements(Float8Tensor, aten.zeros_like.default)
+def _zeros_like(func, args, kwargs):
+    return _new_float8(args[0], args[0].shape, 0, kwargs)
+
+
+@implements(Float8Tensor, aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, Float8Tensor):
+        # plain <- quantized: copy the values
+        return dst.copy_(src.dequantize(dtype=dst.dtype))
+    if isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype and src.shape == dst.shape:
+        # quantized <- quantized of the same format: bytes and scale, no rounding
+        dst._data.copy_(src._rowwise_data())
+        dst._scale_inv.copy_(src._scale_inv)
+        dst._transpose = None if src._transpose is None else src._transpose.to(dst.device, copy=True)
+        return dst
+    src_values = src.dequantize() if isinstance(src, QuantizedTensor) else src
+    return dst.quantize_(src_values.to(dst.device).expand(dst.shape))
+
+
+@implements(Float8Tensor, aten._to_copy.default)
+def _to_copy(func, args, kwargs):
+    self = args[0]
+    kwargs = dict(kwargs)
+    dtype = kwargs.pop("dtype", None) or self.dtype
+    kwargs.pop("memory_format", None)
+    moved = lambda t: None if t is None else func(t, **kwargs)  # noqa: E731
+    return self._like(
+        moved(self._rowwise_data()), scale_inv=moved(self._scale_inv), dtype=dtype,
+        data_transpose=moved(self._transpose),
+    )
+
+
+@implements(Float8Tensor, aten._pin_memory.default)
+def _pin_memory(func, args, kwargs):
+    self = args[0]
+    pin = lambda t: None if t is None else func(t, *args[1:], **kwargs)  # noqa: E731
+    return self._like(pin(self._rowwise_data()), scale_inv=pin(self._scale_inv),
+                      data_transpose=pin(self._transpose))
+
+
+@implements(Float8Tensor, aten.is_pinned.default)
+def _is_pinned(func, args, kwargs):
+    return func(args[0]._rowwise_data(), *args[1:], **kwargs)

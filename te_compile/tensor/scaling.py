@@ -1,0 +1,137 @@
+"""Per-tensor FP8 scaling rules in plain torch (DESIGN.md §5).
+
+These functions are the single source of the per-tensor numerics: the eager quantizers, the
+compiled lowerings and the delayed-scaling state all call them, so eager and compiled results agree
+bit for bit. They are written with traceable torch ops only (no ``.item()``, no Python branches on
+values) so that inductor can fuse them into neighbouring kernels and no host sync happens.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Union
+
+import torch
+
+__all__ = [
+    "FLT_MAX",
+    "fp8_max",
+    "tensor_amax",
+    "compute_scale",
+    "cast_to_fp8",
+    "update_amax_history",
+    "delayed_scale_from_history",
+]
+
+FLT_MAX = torch.finfo(torch.float32).max
+
+_FP8_MAX = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+
+def fp8_max(fp8_dtype: torch.dtype) -> float:
+    """Largest finite value of an fp8 dtype."""
+    try:
+        return _FP8_MAX[fp8_dtype]
+    except KeyError:
+        raise ValueError(
+            f"fp8_dtype must be one of {list(_FP8_MAX)}, got {fp8_dtype!r}"
+        ) from None
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max|x| as an fp32 tensor of shape [1] (0 for an empty tensor)."""
+    if x.numel() == 0:
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return x.detach().abs().amax().to(torch.float32).reshape(1)
+
+
+def _scale_from_amax(amax: torch.Tensor, limit: float, margin: int) -> torch.Tensor:
+    """limit / amax / 2**margin in fp32, an infinite result replaced by FLT_MAX."""
+    # True IEEE division: a Python scalar over a tensor becomes reciprocal-then-multiply in torch,
+    # which is one ulp off in about a quarter of cases (DESIGN.md §6).
+    scale = torch.div(torch.full_like(amax, limit), amax)
+    if margin:
+        scale = scale / float(2**margin)
+    return torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+
+
+def compute_scale(
+    amax: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    force_pow_2_scales: bool = False,
+    amax_epsilon: float = 0.0,
+    margin: int = 0,
+) -> torch.Tensor:
+    """scale = fp8_max / amax / 2**margin, with TransformerEngine's edge rules.
+
+    amax: fp32 [1]. amax is first clamped up to ``amax_epsilon``; an amax of 0, inf or NaN gives
+    scale 1; an infinite scale (amax tiny) becomes FLT_MAX; ``force_pow_2_scales`` rounds the scale
+    down to a power of two by clearing its mantissa bits.
+    """
+    amax = amax.to(torch.float32)
+    if amax_epsilon > 0.0:
+        amax = torch.clamp(amax, min=amax_epsilon)
+    scale = _scale_from_amax(amax, fp8_max(fp8_dtype), margin)
+    bad_amax = (amax == 0) | ~torch.isfinite(amax)
+    scale = torch.where(bad_amax, torch.ones_like(scale), scale)
+    if force_pow_2_scales:
+        # keep sign and exponent bits, drop the mantissa: the largest power of two <= scale
+        bits = scale.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32, device=scale.device)
+        scale = bits.view(torch.float32)
+    return scale
+
+
+def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """Saturating cast of ``x * scale`` (computed in fp32) to ``fp8_dtype``.
+
+    torch's e4m3fn cast saturates on CPU but e5m2 overflows to inf, and CUDA behaviour differs, so
+    clamp explicitly. NaN stays NaN.
+    """
+    limit = fp8_max(fp8_dtype)
+    scaled = x.to(torch.float32) * scale.to(torch.float32)
+    return torch.clamp(scaled, min=-limit, max=limit).to(fp8_dtype)
+
+
+def update_amax_history(amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
+    """New history with ``amax`` ([1]) at index 0, the most recent first; the oldest falls off.
+
+    amax_history: fp32 [L]. Returns a new tensor; callers copy it into their state buffer.
+    """
+    return torch.cat([amax.reshape(1).to(amax_history.dtype), amax_history[:-1]])
+
+
+def delayed_scale_from_history(
+    amax_history: torch.Tensor,
+    prev_scale: torch.Tensor,
+    fp8_dtype: torch.dtype,
+    *,
+    margin: int = 0,
+    amax_compute_algo: Union[str, Callable] = "max",
+    scaling_factor_compute_algo: Optional[Callable] = None,
+    recipe=None,
+) -> torch.Tensor:
+    """The delayed-scaling scale for the next step from an amax history ([L], most recent first).
+
+    "max" takes the window's max, "most_recent" its first entry, a callable gets the history. The
+    scale is fp8_max / amax / 2**margin when amax is finite and > 0; otherwise the previous scale is
+    kept; an infinite scale becomes FLT_MAX. ``scaling_factor_compute_algo(amax, scale, fp8_max,
+    recipe)`` replaces that rule when given, as in TransformerEngine.
+    """
+    if callable(amax_compute_algo):
+        amax = amax_compute_algo(amax_history).reshape(1).to(torch.float32)
+    elif amax_compute_algo == "max":
+        amax = amax_history.amax().reshape(1)
+    elif amax_compute_algo == "most_recent":
+        amax = amax_history[:1]
+    else:
+        raise ValueError(
+            f"amax_compute_algo must be 'max', 'most_recent' or a callable, got {amax_compute_algo!r}"
+        )
+    if scaling_factor_compute_algo is not None:
+        return scaling_factor_compute_algo(amax, prev_scale, fp8_max(fp8_dtype), recipe).reshape(1)
+    scale = _scale_from_amax(amax, fp8_max(fp8_dtype), margin)
+    keep = (amax <= 0) | ~torch.isfinite(amax)
+    return torch.where(keep, prev_scale.to(torch.float32), scale)
