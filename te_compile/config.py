@@ -15,7 +15,7 @@ import difflib
 import importlib
 import os
 import typing
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -312,15 +312,17 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
 
 
 def _read_toml(path: Path, source: str) -> dict:
+    # name the resolved path too when the source spells it differently (relative, or an env var)
+    where = "" if str(path) == source else f" ({path})"
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
     except FileNotFoundError:
-        raise ConfigError(f"{source}: config file not found: {path}") from None
+        raise ConfigError(f"{source}: config file not found{where}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ConfigError(f"{source}: invalid TOML in {path}: {e}") from None
+        raise ConfigError(f"{source}: invalid TOML{where}: {e}") from None
     except OSError as e:
-        raise ConfigError(f"{source}: cannot read {path}: {e.strerror or e}") from None
+        raise ConfigError(f"{source}: cannot read the config file{where}: {e.strerror or e}") from None
 
 
 def load_config(path: Union[str, os.PathLike]) -> TeConfig:
@@ -392,7 +394,8 @@ def resolve_config(options: Optional[Mapping] = None, *, cwd: Union[str, os.Path
     pyproject = cwd / "pyproject.toml"
     if pyproject.is_file():
         source = f"{pyproject} [tool.te_compile]"
-        table = _read_toml(pyproject, str(pyproject)).get("tool", {}).get("te_compile")
+        tool = _read_toml(pyproject, str(pyproject)).get("tool")
+        table = tool.get("te_compile") if isinstance(tool, dict) else None
         if table is not None:
             return config_from_dict(table, source)
     return TeConfig()
