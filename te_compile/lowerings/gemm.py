@@ -1,0 +1,45 @@
+"""Per-tensor scaled FP8 GEMM: torch._scaled_mm where the device has it, exact emulation elsewhere."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..hardware import is_fp8_available
+
+__all__ = ["fp8_gemm", "uses_native_fp8_gemm"]
+
+# cuBLASLt FP8 GEMMs need the contraction dim and the output columns in multiples of 16.
+_CUDA_ALIGN = 16
+
+
+def uses_native_fp8_gemm(device: torch.device) -> bool:
+    """True where torch._scaled_mm runs per-tensor FP8 (CPU, CUDA sm89+)."""
+    return bool(is_fp8_available(device=device))
+
+
+def fp8_gemm(
+    a: torch.Tensor,          # fp8 [M, K], row-major
+    b: torch.Tensor,          # fp8 [K, N], column-major (the transpose of a row-major [N, K])
+    a_scale_inv: torch.Tensor,  # fp32 [1]
+    b_scale_inv: torch.Tensor,  # fp32 [1]
+    out_dtype: torch.dtype,
+) -> torch.Tensor:
+    """(a * a_scale_inv) @ (b * b_scale_inv) with fp32 accumulation, as ``out_dtype`` [M, N].
+
+    Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
+    too, so callers must produce them; eager would accept any layout and hide the mistake.
+    """
+    sa = a_scale_inv.reshape(())
+    sb = b_scale_inv.reshape(())
+    if not uses_native_fp8_gemm(a.device):
+        # Exact dequantize-then-matmul: equal to CPU _scaled_mm bit for bit.
+        return ((a.to(torch.float32) @ b.to(torch.float32)) * (sa * sb)).to(out_dtype)
+    if a.device.type == "cuda":
+        # Zero rows/columns along K change nothing; pad K (e.g. the token count in wgrad) to 16.
+        k = a.shape[1]
+        pad = (-k) % _CUDA_ALIGN
+        if pad:
+            a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
+            b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)

@@ -1,0 +1,66 @@
+"""FX graph rewrites, applied in order by ``run_passes``; each pass changes the graph in place."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+import torch.fx as fx
+
+from ..config import TeConfig
+from ..lowerings.fp8_linear import LinearLowering, LinearSpec
+from ..report import SiteRecord
+from ..state import state_for
+from .eligibility import linear_ineligibility, shape_str
+from .rewrite_linear import add_state_buffers, rewrite_linear
+from .sites import find_linear_sites
+
+__all__ = ["run_passes"]
+
+
+def _parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, torch.Tensor]:
+    """Placeholder node -> the nn.Parameter it receives (Dynamo passes parameters as inputs)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {
+        node: value for node, value in zip(placeholders, example_inputs)
+        if isinstance(value, torch.nn.Parameter)
+    }
+
+
+def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
+                     graph_id: int) -> list[SiteRecord]:
+    params = _parameter_placeholders(gm, example_inputs)
+    records = []
+    for i, site in enumerate(find_linear_sites(gm, set(params))):
+        recipe, why = config.recipe_for(site.fqn)
+        record = dict(fqn=site.fqn, op="linear", shapes=shape_str(site), graph=graph_id)
+        if not config.rewrite.linear:
+            records.append(SiteRecord(recipe=None, rewritten=False, reason="[rewrite] linear = false", **record))
+            continue
+        if recipe is None:
+            records.append(SiteRecord(recipe=None, rewritten=False, reason=f"recipe 'none' ({why})", **record))
+            continue
+        weight = params.get(site.weight)
+        reason = linear_ineligibility(site, recipe, weight is not None)
+        if reason is not None:
+            records.append(SiteRecord(recipe=recipe.name, rewritten=False, reason=reason, **record))
+            continue
+        lowering = LinearLowering(LinearSpec(site.fqn, recipe, site.weight_in_out))
+        state_nodes = []
+        if recipe.delayed():
+            state = state_for(weight, recipe.amax_history_len, site.fqn or "<root>")
+            state_nodes = add_state_buffers(gm, f"_te_state_{i}", state.tensors(), site.node)
+        rewrite_linear(gm, site, lowering, state_nodes)
+        how = f"{site.op_name} -> FP8 ({why})"
+        records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))
+    return records
+
+
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
+               graph_id: int = 0) -> list[SiteRecord]:
+    """Apply the rewrites to ``gm`` in place and return one record per site seen."""
+    records = _rewrite_linears(gm, example_inputs, config, graph_id)
+    gm.graph.eliminate_dead_code()
+    gm.graph.lint()
+    gm.recompile()
+    return records

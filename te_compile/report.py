@@ -1,0 +1,70 @@
+"""What the backend did to each site it saw: one row per site, rendered as a table."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from tabulate import tabulate
+
+__all__ = ["SiteRecord", "Report", "report", "reset"]
+
+
+@dataclass(frozen=True)
+class SiteRecord:
+    fqn: str                  # module path as model.named_modules() names it, e.g. "blocks.0.mlp.fc"
+    op: str                   # "linear" | "layer_norm" | "rms_norm" | "sdpa"
+    recipe: Optional[str]     # recipe class name, or None when the site stays in high precision
+    rewritten: bool
+    reason: str               # why not rewritten, or how it was lowered
+    shapes: str               # e.g. "x[s0, 64] w[256, 64] b[256]"
+    graph: int = 0            # which compiled graph (Dynamo may split a model into several)
+
+
+@dataclass
+class Report:
+    sites: list[SiteRecord] = field(default_factory=list)
+
+    @property
+    def rewritten(self) -> list[SiteRecord]:
+        return [s for s in self.sites if s.rewritten]
+
+    @property
+    def skipped(self) -> list[SiteRecord]:
+        return [s for s in self.sites if not s.rewritten]
+
+    def __len__(self) -> int:
+        return len(self.sites)
+
+    def __str__(self) -> str:
+        if not self.sites:
+            return "te_compile: no sites seen (nothing compiled since te_compile.reset())"
+        rows = [
+            (s.graph, s.fqn or "<root>", s.op, s.recipe or "-", "yes" if s.rewritten else "no",
+             s.shapes, s.reason)
+            for s in self.sites
+        ]
+        table = tabulate(rows, headers=["graph", "module", "op", "recipe", "rewritten", "shapes", "reason"])
+        summary = f"{len(self.rewritten)} of {len(self.sites)} sites rewritten"
+        return f"{table}\n{summary}"
+
+
+_REPORT = Report()
+
+
+def report() -> Report:
+    """Every site seen by the te backend since the last ``reset()`` (a snapshot)."""
+    return Report(list(_REPORT.sites))
+
+
+def reset() -> None:
+    """Forget the recorded sites."""
+    _REPORT.sites.clear()
+
+
+def _record(records: list[SiteRecord]) -> None:
+    _REPORT.sites.extend(records)
+
+
+def _next_graph_id() -> int:
+    return 1 + max((s.graph for s in _REPORT.sites), default=-1)
