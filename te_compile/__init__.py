@@ -6,6 +6,10 @@ built on are usable eagerly on their own (``te_compile.tensor``).
 """
 
 from . import recipe
+from .backend import backend
+from .config import ConfigError, TeConfig, load_config
+from .report import Report, SiteRecord, report, reset
+from .state import load_recipe_state_dict, recipe_state_dict
 from .hardware import (
     get_device_compute_capability,
     is_bf16_available,
@@ -28,6 +32,17 @@ from .tensor import (
 __version__ = "0.1.0"
 
 __all__ = [
+    # the backend ("te" is also registered as a torch.compile backend name by entry point)
+    "backend",
+    "load_config",
+    "TeConfig",
+    "ConfigError",
+    "report",
+    "reset",
+    "Report",
+    "SiteRecord",
+    "recipe_state_dict",
+    "load_recipe_state_dict",
     # recipes (te_compile.recipe holds the classes)
     "recipe",
     # quantization core, usable eagerly
