@@ -34,13 +34,16 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
     records = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+    # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
+    # compiler raises then, and only a compile that went through is reported.
+    compiled = _final_compiler(gm, example_inputs, config, mode)
     _record(records)
     if records:
         table = str(Report(records))
         log.info("te_compile (%s):\n%s", config.source, table)
         if os.environ.get("TE_COMPILE_LOG", "") not in ("", "0"):
             print(f"te_compile (config: {config.source}):\n{table}", flush=True)
-    return _final_compiler(gm, example_inputs, config, mode)
+    return compiled
 
 
 def te_backend(gm: fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:

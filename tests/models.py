@@ -1,0 +1,71 @@
+"""Small models written the way an unchanged user model is: plain nn.Linear, nn.LayerNorm, SDPA."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head
+        self.qkv = nn.Linear(n_embd, 3 * n_embd)
+        self.proj = nn.Linear(n_embd, n_embd)
+
+    def forward(self, x):  # x: [B, T, C]
+        b, t, c = x.shape
+        q, k, v = self.qkv(x).split(c, dim=-1)
+        q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, C/H]
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(n_embd, 4 * n_embd)
+        self.proj = nn.Linear(4 * n_embd, n_embd)
+
+    def forward(self, x):
+        return self.proj(F.gelu(self.fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(n_embd)
+        self.attn = Attention(n_embd, n_head)
+        self.ln2 = nn.LayerNorm(n_embd)
+        self.mlp = MLP(n_embd)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class TinyGPT(nn.Module):
+    """nanoGPT in miniature: per block attn.qkv, attn.proj, mlp.fc, mlp.proj, plus lm_head."""
+
+    def __init__(self, vocab: int = 64, n_embd: int = 32, n_head: int = 2, n_layer: int = 2,
+                 block_size: int = 16) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, n_embd)
+        self.pos = nn.Embedding(block_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head) for _ in range(n_layer))
+        self.ln_f = nn.LayerNorm(n_embd)
+        self.lm_head = nn.Linear(n_embd, vocab, bias=False)
+
+    def forward(self, idx, targets=None):  # idx: [B, T] int64
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+LINEARS_PER_BLOCK = 4  # attn.qkv, attn.proj, mlp.fc, mlp.proj

@@ -1,0 +1,219 @@
+"""The te backend end to end on CPU: compile ladder, numerics against an eager FP8 emulation,
+fallbacks with reasons, dynamic shapes, registration, logging."""
+
+from __future__ import annotations
+
+import copy
+import logging
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._dynamo.utils import counters
+
+import te_compile
+from fp8_reference import Fp8Reference
+from models import LINEARS_PER_BLOCK, TinyGPT
+from utils import assert_sqnr_at_least, sqnr
+
+B, T, VOCAB = 4, 16, 64
+
+
+def _batch(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, VOCAB, (B, T), generator=g)
+    targets = torch.randint(0, VOCAB, (B, T), generator=g)
+    return idx, targets
+
+
+def _run(model, idx, targets):
+    """loss and parameter grads of one forward+backward."""
+    model.zero_grad(set_to_none=True)
+    loss = model(idx, targets)
+    loss.backward()
+    names = getattr(model, "_orig_mod", model).named_parameters()
+    return loss.detach(), {n: p.grad.clone() for n, p in names}
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    """eager -> aot_eager -> inductor -> te (inductor), all fullgraph, on copies of one TinyGPT."""
+    torch._dynamo.reset()
+    te_compile.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    base = TinyGPT()
+    idx, targets = _batch()
+    out = {"eager": _run(copy.deepcopy(base), idx, targets)}
+    with Fp8Reference():
+        out["reference"] = _run(copy.deepcopy(base), idx, targets)
+    for name, backend, options in (
+        ("aot_eager", "aot_eager", None),
+        ("inductor", "inductor", None),
+        ("te", "te", {"recipe": "Float8CurrentScaling"}),
+    ):
+        compiled = torch.compile(copy.deepcopy(base), backend=backend, options=options, fullgraph=True)
+        out[name] = _run(compiled, idx, targets)
+    out["graph_breaks"] = sum(counters["graph_break"].values())
+    out["report"] = te_compile.report()
+    return out
+
+
+def test_ladder_has_no_graph_breaks(ladder):
+    assert ladder["graph_breaks"] == 0
+
+
+@pytest.mark.parametrize("name", ["aot_eager", "inductor"])
+def test_ladder_high_precision_rungs_match_eager(ladder, name):
+    loss, grads = ladder[name]
+    torch.testing.assert_close(loss, ladder["eager"][0], rtol=1e-5, atol=1e-5)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ladder["eager"][1][n], rtol=1e-4, atol=1e-5, msg=n)
+
+
+def test_te_rewrites_every_linear(ladder):
+    report = ladder["report"]
+    expected = {f"blocks.{i}.{m}" for i in range(2) for m in ("attn.qkv", "attn.proj", "mlp.fc", "mlp.proj")}
+    expected.add("lm_head")
+    assert len(expected) == 2 * LINEARS_PER_BLOCK + 1
+    assert {s.fqn for s in report.rewritten} == expected
+    assert all(s.recipe == "Float8CurrentScaling" and s.op == "linear" for s in report.sites)
+    assert "9 of 9 sites rewritten" in str(report)
+
+
+def test_te_matches_eager_fp8_emulation(ladder):
+    loss, grads = ladder["te"]
+    ref_loss, ref_grads = ladder["reference"]
+    assert_sqnr_at_least(ref_loss, loss, 60.0, "loss: te vs eager FP8 emulation")
+    for n, g in grads.items():
+        assert_sqnr_at_least(ref_grads[n], g, 40.0, f"grad {n}: te vs eager FP8 emulation")
+
+
+def test_te_differs_from_fp32(ladder):
+    """Proof that quantization happened: FP8 grads are clearly noisier than fp32's."""
+    _, grads = ladder["te"]
+    _, fp32 = ladder["eager"]
+    for n in ("blocks.0.mlp.fc.weight", "lm_head.weight"):
+        db = sqnr(fp32[n], grads[n])
+        assert db < 45.0, f"{n}: te grad is {db:.1f} dB from fp32; FP8 should be < 45 dB"
+        assert db > 10.0, f"{n}: te grad is {db:.1f} dB from fp32; expected FP8 noise (> 10 dB)"
+
+
+class Mixed(nn.Module):
+    """Sites that must fall back: K=20 and N=10 are not multiples of 16; head kept by override."""
+
+    def __init__(self):
+        super().__init__()
+        self.odd_in = nn.Linear(20, 32)
+        self.body = nn.Linear(32, 64)
+        self.odd_out = nn.Linear(64, 10)
+        self.head = nn.Linear(10, 16)
+        self.w = nn.Parameter(torch.randn(32, 48) / 8)  # used as x @ w: an [in, out] weight
+
+    def forward(self, x):  # x: [B, 20]
+        h = self.body(self.odd_in(x))
+        h2 = torch.nn.functional.relu(h[:, :32]) @ self.w
+        return self.head(self.odd_out(h)), h2
+
+
+@pytest.fixture(scope="module")
+def mixed_report():
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = Mixed()
+    options = {"compiler": "aot_eager", "overrides": [{"modules": "head", "recipe": "none"}]}
+    compiled = torch.compile(model, backend="te", options=options, fullgraph=True)
+    y, h2 = compiled(torch.randn(3, 20))
+    (y.sum() + h2.sum()).backward()
+    return {s.fqn: s for s in te_compile.report().sites}
+
+
+@pytest.mark.parametrize(
+    "fqn, rewritten, reason",
+    [
+        ("odd_in", False, "in_features (K)=20 is not divisible by 16"),
+        ("body", True, "linear -> FP8 (global)"),
+        ("odd_out", False, "out_features (N)=10 is not divisible by 16"),
+        ("head", False, "recipe 'none' (override 'head')"),
+        ("", True, "matmul -> FP8"),
+    ],
+)
+def test_fallback_reasons(mixed_report, fqn, rewritten, reason):
+    site = mixed_report[fqn]
+    assert site.rewritten is rewritten
+    assert reason in site.reason
+
+
+def test_dynamic_shapes_one_graph_for_all_lengths():
+    """A symbolic batch/sequence length is not a reason to fall back, and needs no recompile."""
+    torch._dynamo.reset()
+    te_compile.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = TinyGPT()
+    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager"}, dynamic=True,
+                             fullgraph=True)
+    # T below block_size (16): T == 16 would equal the position table's size and be specialized.
+    for b, t in ((2, 12), (3, 9), (5, 13)):
+        idx = torch.randint(0, VOCAB, (b, t))
+        with Fp8Reference():
+            ref = model(idx)
+        assert_sqnr_at_least(ref, compiled(idx), 60.0, f"logits at B={b}, T={t}")
+    report = te_compile.report()
+    assert len(report.rewritten) == 2 * LINEARS_PER_BLOCK + 1
+    assert all("s" in s.shapes.split("]")[0] for s in report.sites), [s.shapes for s in report.sites]
+    assert counters["stats"]["unique_graphs"] == 1
+
+
+def test_unsupported_recipe_says_not_yet():
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Linear(32, 32), backend="te", options={"recipe": "MXFP8BlockScaling"})
+    with pytest.raises(Exception, match="MXFP8BlockScaling is not supported by the te backend yet"):
+        compiled(torch.randn(2, 32))
+
+
+def test_bad_option_names_key_and_allowed_values():
+    torch._dynamo.reset()
+    compiled = torch.compile(nn.Linear(32, 32), backend="te", options={"recipe": "Float9"})
+    with pytest.raises(Exception, match=r"recipe.*Float9"):
+        compiled(torch.randn(2, 32))
+
+
+def test_backend_object_config_file_and_logging(tmp_path, monkeypatch, capsys, caplog):
+    """te_compile.backend(config=path) reads the file; TE_COMPILE_LOG=1 prints the table and the
+    te_compile logger gets it at INFO."""
+    torch._dynamo.reset()
+    te_compile.reset()
+    path = tmp_path / "fp8.toml"
+    path.write_text('recipe = "DelayedScaling"\ncompiler = "aot_eager"\n'
+                    '[recipe_options]\namax_history_len = 4\n')
+    monkeypatch.setenv("TE_COMPILE_LOG", "1")
+    backend = te_compile.backend(config=path)
+    assert backend.config.recipe.amax_history_len == 4
+    with caplog.at_level(logging.INFO, logger="te_compile"):
+        torch.compile(nn.Linear(32, 48), backend=backend)(torch.randn(2, 32)).sum().backward()
+    printed = capsys.readouterr().out
+    assert "DelayedScaling" in printed and str(path) in printed and "1 of 1 sites rewritten" in printed
+    assert any("1 of 1 sites rewritten" in r.getMessage() for r in caplog.records)
+    [site] = te_compile.report().sites
+    assert site.recipe == "DelayedScaling" and site.rewritten
+
+
+def test_entry_point_registers_te_without_import():
+    """pip install registers "te" with Dynamo; a fresh process needs no `import te_compile`."""
+    code = textwrap.dedent(
+        """
+        import sys, torch
+        assert "te" in torch._dynamo.list_backends(), torch._dynamo.list_backends()
+        assert "te_compile" not in sys.modules
+        y = torch.compile(torch.nn.Linear(16, 16), backend="te", options={"compiler": "aot_eager"})(torch.randn(2, 16))
+        import te_compile
+        print(len(te_compile.report().rewritten), tuple(y.shape))
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "1 (2, 16)"
