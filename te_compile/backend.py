@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -31,12 +32,37 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
+def _guard_state_owners(compiled: Callable, owners: dict) -> Callable:
+    """Refuse to run a graph holding recipe state for other weights than the ones passed in.
+
+    Dynamo passes parameters as graph inputs and may reuse one compiled graph for another instance
+    of the same module class; the state buffers baked into this graph would then be shared.
+    """
+    if not owners:
+        return compiled
+    refs = {i: weakref.ref(w) for i, w in owners.items()}
+
+    def run(*args):
+        for i, ref in refs.items():
+            if args[i] is not ref():
+                raise RuntimeError(
+                    "te_compile: this compiled graph holds DelayedScaling state for the weights it was "
+                    "compiled with, and was called with other weights (another model instance?). "
+                    "Compile each model with its own torch.compile(model, backend='te') call."
+                )
+        return compiled(*args)
+
+    return run
+
+
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
-    records = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+    result = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+    records = result.records
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
-    compiled = _final_compiler(gm, example_inputs, config, mode)
+    compiled = _guard_state_owners(_final_compiler(gm, example_inputs, config, mode),
+                                   result.state_owners)
     _record(records)
     if records:
         table = str(Report(records))

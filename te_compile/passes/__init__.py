@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import torch
@@ -15,7 +16,14 @@ from .eligibility import linear_ineligibility, shape_str
 from .rewrite_linear import add_state_buffers, rewrite_linear
 from .sites import find_linear_sites
 
-__all__ = ["run_passes"]
+__all__ = ["run_passes", "PassResult"]
+
+
+@dataclass
+class PassResult:
+    records: list[SiteRecord] = field(default_factory=list)
+    # graph input index -> the weight whose recipe state this graph's buffers hold
+    state_owners: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 def _parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, torch.Tensor]:
@@ -28,9 +36,11 @@ def _parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence) -> dic
 
 
 def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-                     graph_id: int) -> list[SiteRecord]:
+                     graph_id: int, result: PassResult) -> int:
     params = _parameter_placeholders(gm, example_inputs)
-    records = []
+    input_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
+    records = result.records
+    count = 0
     for i, site in enumerate(find_linear_sites(gm, set(params))):
         recipe, why = config.recipe_for(site.fqn)
         record = dict(fqn=site.fqn, op="linear", shapes=shape_str(site), graph=graph_id)
@@ -50,17 +60,20 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
         if recipe.delayed():
             state = state_for(weight, recipe.amax_history_len, site.fqn or "<root>")
             state_nodes = add_state_buffers(gm, f"_te_state_{i}", state.tensors(), site.node)
-        rewrite_linear(gm, site, lowering, state_nodes)
+            result.state_owners[input_index[site.weight]] = weight
+        count += rewrite_linear(gm, site, lowering, state_nodes)
         how = f"{site.op_name} -> FP8 ({why})"
         records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))
-    return records
+    return count
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-               graph_id: int = 0) -> list[SiteRecord]:
-    """Apply the rewrites to ``gm`` in place and return one record per site seen."""
-    records = _rewrite_linears(gm, example_inputs, config, graph_id)
+               graph_id: int = 0) -> PassResult:
+    """Apply the rewrites to ``gm`` in place; return one record per site seen and the weights
+    whose recipe state the graph now holds."""
+    result = PassResult()
+    _rewrite_linears(gm, example_inputs, config, graph_id, result)
     gm.graph.eliminate_dead_code()
     gm.graph.lint()
     gm.recompile()
-    return records
+    return result
