@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import weakref
 from typing import Callable, Optional, Sequence, Union
 
 import torch
@@ -32,37 +31,50 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
-def _guard_state_owners(compiled: Callable, owners: dict) -> Callable:
-    """Refuse to run a graph holding recipe state for other weights than the ones passed in.
+def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of Dynamo's graph module for the passes to rewrite.
 
-    Dynamo passes parameters as graph inputs and may reuse one compiled graph for another instance
-    of the same module class; the state buffers baked into this graph would then be shared.
+    Dynamo reads its own graph again after the backend returns (its placeholders are the call's
+    arguments), so the passes must not add inputs to it. The copy keeps what aot_autograd reads
+    from a Dynamo graph: ``meta``, ``_param_name_to_source`` and each placeholder's source.
     """
-    if not owners:
+    graph = fx.Graph()
+    old_to_new: dict[fx.Node, fx.Node] = {}
+    graph.output(graph.graph_copy(gm.graph, old_to_new))
+    for old, new in old_to_new.items():
+        if old.op == "placeholder":
+            new._dynamo_source = getattr(old, "_dynamo_source", None)
+    copy = fx.GraphModule(gm, graph)
+    copy.meta.update(gm.meta)
+    copy._param_name_to_source = getattr(gm, "_param_name_to_source", None)
+    return copy
+
+
+def _with_state_inputs(compiled: Callable, result) -> Callable:
+    """Append the recipe state of the weights each call receives to the graph's inputs.
+
+    Dynamo passes parameters as graph inputs and reuses one compiled graph for every instance of
+    a module class, so state is looked up per call by weight (a weak-keyed dict lookup per stateful
+    weight) rather than baked into the graph: each model keeps its own.
+    """
+    if not result.state_inputs:
         return compiled
-    refs = {i: weakref.ref(w) for i, w in owners.items()}
 
     def run(*args):
-        for i, ref in refs.items():
-            if args[i] is not ref():
-                raise RuntimeError(
-                    "te_compile: this compiled graph holds DelayedScaling state for the weights it was "
-                    "compiled with, and was called with other weights (another model instance?). "
-                    "Compile each model with its own torch.compile(model, backend='te') call."
-                )
-        return compiled(*args)
+        return compiled(*args, *result.state_tensors(args))
 
     return run
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
+    gm = _private_copy(gm)
     result = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
     records = result.records
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
-    compiled = _guard_state_owners(_final_compiler(gm, example_inputs, config, mode),
-                                   result.state_owners)
+    inputs = [*example_inputs, *result.state_tensors(example_inputs)]
+    compiled = _with_state_inputs(_final_compiler(gm, inputs, config, mode), result)
     _record(records)
     if records:
         table = str(Report(records))

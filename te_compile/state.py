@@ -9,8 +9,6 @@ the graph module, so the compiled forward and backward update them in place (no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
-
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
@@ -90,8 +88,9 @@ def recipe_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
         if state is None:
             continue
         for role, rs in state.roles.items():
-            out[f"{prefix}.{role}.scale"] = rs.scale.detach().clone()
-            out[f"{prefix}.{role}.amax_history"] = rs.amax_history.detach().clone()
+            for field_name in FIELDS:
+                key = ".".join(p for p in (prefix, role, field_name) if p)  # root module: no prefix
+                out[key] = getattr(rs, field_name).detach().clone()
     return out
 
 
@@ -102,6 +101,8 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
     by_prefix: dict[str, dict[tuple[str, str], torch.Tensor]] = {}
     for key, value in state_dict.items():
         parts = key.rsplit(".", 2)
+        if len(parts) == 2:  # a weight of the root module: "<role>.<field>"
+            parts = ["", *parts]
         if len(parts) != 3 or parts[1] not in STATE_ROLES or parts[2] not in FIELDS:
             raise ValueError(
                 f"load_recipe_state_dict: bad key {key!r}; keys are '<fqn>.<role>.<field>' with role "
@@ -125,6 +126,3 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
             with torch.no_grad():
                 target.copy_(value)
 
-
-def _has_state(weight: torch.Tensor) -> Optional[LinearState]:
-    return _STATES.get(weight)

@@ -11,19 +11,38 @@ import torch.fx as fx
 from ..config import TeConfig
 from ..lowerings.fp8_linear import LinearLowering, LinearSpec
 from ..report import SiteRecord
-from ..state import state_for
+from ..state import STATE_ROLES, state_for
 from .eligibility import linear_ineligibility, shape_str
-from .rewrite_linear import add_state_buffers, rewrite_linear
+from .rewrite_linear import add_state_inputs, rewrite_linear
 from .sites import find_linear_sites
 
-__all__ = ["run_passes", "PassResult"]
+__all__ = ["run_passes", "PassResult", "StateInput"]
+
+# (amax_history, scale) per role: the tensors of one weight's LinearState, in its order.
+STATE_TENSORS = tuple((role, f) for role in STATE_ROLES for f in ("amax_history", "scale"))
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """Delayed-scaling state the compiled graph takes as extra inputs, after Dynamo's own: the
+    state of the weight at input ``weight_index``, looked up at every call (te_compile.state)."""
+
+    weight_index: int
+    history_len: int
+    where: str   # the site, for error messages
 
 
 @dataclass
 class PassResult:
     records: list[SiteRecord] = field(default_factory=list)
-    # graph input index -> the weight whose recipe state this graph's buffers hold
-    state_owners: dict[int, torch.Tensor] = field(default_factory=dict)
+    state_inputs: list[StateInput] = field(default_factory=list)
+
+    def state_tensors(self, args: Sequence) -> list[torch.Tensor]:
+        """The extra graph inputs for a call with Dynamo's ``args``."""
+        out = []
+        for s in self.state_inputs:
+            out += state_for(args[s.weight_index], s.history_len, s.where).tensors()
+        return out
 
 
 def _parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, torch.Tensor]:
@@ -40,6 +59,7 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
     params = _parameter_placeholders(gm, example_inputs)
     input_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     records = result.records
+    state_nodes_of: dict[fx.Node, list[fx.Node]] = {}  # weight -> its state inputs (one set per weight)
     count = 0
     for i, site in enumerate(find_linear_sites(gm, set(params))):
         recipe, why = config.recipe_for(site.fqn)
@@ -58,9 +78,12 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
         lowering = LinearLowering(LinearSpec(site.fqn, recipe, site.weight_in_out))
         state_nodes = []
         if recipe.delayed():
-            state = state_for(weight, recipe.amax_history_len, site.fqn or "<root>")
-            state_nodes = add_state_buffers(gm, f"_te_state_{i}", state.tensors(), site.node)
-            result.state_owners[input_index[site.weight]] = weight
+            if site.weight not in state_nodes_of:
+                state = StateInput(input_index[site.weight], recipe.amax_history_len, site.fqn or "<root>")
+                state_for(weight, state.history_len, state.where)  # created now; validates the length
+                result.state_inputs.append(state)
+                state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(STATE_TENSORS))
+            state_nodes = state_nodes_of[site.weight]
         count += rewrite_linear(gm, site, lowering, state_nodes)
         how = f"{site.op_name} -> FP8 ({why})"
         records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))

@@ -1,40 +1,32 @@
-"""Replace a linear site by a call to its lowering, with its recipe state as graph buffers."""
+"""Replace a linear site by a call to its lowering; recipe state enters the graph as inputs."""
 
 from __future__ import annotations
 
-from typing import Sequence
-
-import torch
 import torch.fx as fx
-from torch._dynamo.source import ConstantSource
 
 from ..lowerings.fp8_linear import LinearLowering
 from .sites import LinearSite
 
-__all__ = ["rewrite_linear", "add_state_buffers"]
+__all__ = ["rewrite_linear", "add_state_inputs"]
 
 
-def add_state_buffers(gm: fx.GraphModule, prefix: str, tensors: Sequence[torch.Tensor],
-                      before: fx.Node) -> list[fx.Node]:
-    """Register ``tensors`` as buffers of ``gm`` (the very objects: in-place updates by the
-    compiled graph land in them) and return get_attr nodes inserted before ``before``."""
-    if getattr(gm, "_param_name_to_source", None) is None:
-        gm._param_name_to_source = {}
+def add_state_inputs(gm: fx.GraphModule, prefix: str, count: int) -> list[fx.Node]:
+    """Append ``count`` placeholders after the existing inputs (the backend's wrapper passes the
+    state tensors there at every call)."""
+    last = [n for n in gm.graph.nodes if n.op == "placeholder"][-1]
     nodes = []
-    for i, t in enumerate(tensors):
-        name = f"{prefix}_{i}"
-        gm.register_buffer(name, t)
-        # aot_autograd asserts that every lifted buffer has a source.
-        gm._param_name_to_source[name] = ConstantSource(name)
-        with gm.graph.inserting_before(before):
-            node = gm.graph.get_attr(name)
-        node.meta["example_value"] = t
-        nodes.append(node)
+    for i in range(count):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.placeholder(f"{prefix}_{i}")
+        # aot_autograd reads every placeholder's Dynamo source; None marks an input that does not
+        # come from user code (as DDPOptimizer's split graphs do).
+        last._dynamo_source = None
+        nodes.append(last)
     return nodes
 
 
 def rewrite_linear(gm: fx.GraphModule, site: LinearSite, lowering: LinearLowering,
-                   state: Sequence[fx.Node] = ()) -> int:
+                   state: list[fx.Node] = ()) -> int:
     """Replace ``site.node`` by ``lowering(x, weight, bias, *state)``; returns 1."""
     with gm.graph.inserting_before(site.node):
         new = gm.graph.call_function(lowering, (site.x, site.weight, site.bias, *state))
