@@ -30,9 +30,9 @@ def _device(device: DeviceLike) -> torch.device:
 
 
 def get_device_compute_capability(device: DeviceLike = None) -> tuple[int, int]:
-    """(major, minor) of a CUDA device; (0, 0) for a CPU."""
+    """(major, minor) of a CUDA device; (0, 0) for a CPU or when CUDA is not available."""
     device = _device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():
         return (0, 0)
     return torch.cuda.get_device_capability(device)
 
@@ -42,6 +42,10 @@ def _answer(ok: bool, reason: str, return_reason: bool):
 
 
 def _cuda_probe(device, need: tuple[int, int], what: str, return_reason: bool):
+    if not torch.cuda.is_available():
+        # A probe answers rather than raises: asking about "cuda" on a CPU-only build is a question.
+        return _answer(False, f"{what}: {device} requested but CUDA is not available; "
+                       "te_compile emulates it (dequantize-then-matmul)", return_reason)
     cc = get_device_compute_capability(device)
     if cc >= need:
         return _answer(True, f"{what}: native on compute capability {cc[0]}.{cc[1]}", return_reason)

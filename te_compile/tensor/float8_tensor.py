@@ -82,7 +82,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
         return self._transpose.t().contiguous().reshape(self._logical_shape)
 
     def dequantize(self, *, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-        values = self._rowwise_data().view(self._fp8_dtype).to(torch.float32) * self._scale_inv
+        # scale_inv as a 0-d tensor: a [1] factor would turn a 0-d tensor's values into shape [1]
+        scale_inv = self._scale_inv.reshape(())
+        values = self._rowwise_data().view(self._fp8_dtype).to(torch.float32) * scale_inv
         return values.to(dtype or self._nominal_dtype)
 
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
@@ -151,8 +153,9 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
             shape = data.shape
         if shape is None:
             raise ValueError("shape is required when only the transpose is given")
+        strides = data.stride() if data is not None and tuple(data.shape) == tuple(shape) else None
         self = QuantizedTensor.__new__(
-            cls, shape, dtype, device=scale_inv.device, requires_grad=requires_grad
+            cls, shape, dtype, device=scale_inv.device, requires_grad=requires_grad, strides=strides
         )
         self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype)
         return self
@@ -164,10 +167,13 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
     dequantize = Float8TensorStorage.dequantize
 
     def __repr__(self, *, tensor_contents=None) -> str:
-        return (
-            f"Float8Tensor(fp8_dtype={self._fp8_dtype}, scale_inv={self._scale_inv.item():.6g}, "
-            f"dtype={self.dtype}, data={self.dequantize()})"
-        )
+        head = f"Float8Tensor(fp8_dtype={self._fp8_dtype}, dtype={self.dtype}, shape={tuple(self.shape)}"
+        # Values only from real buffers: while torch.compile traces, the buffers are fake tensors
+        # (.item() gives a SymFloat, or raises), and tracing logs repr the inputs.
+        data = self._data if self._data is not None else self._transpose
+        if any(type(t) is not torch.Tensor or t.device.type == "meta" for t in (data, self._scale_inv)):
+            return head + ")"
+        return f"{head}, scale_inv={self._scale_inv.item():.6g}, data={self.dequantize()})"
 
     def _like(self, data, *, scale_inv=None, dtype=None, data_transpose=None, requires_grad=False):
         """A Float8Tensor sharing this one's format with new buffers."""

@@ -117,13 +117,16 @@ class QuantizedTensorStorage:
 def prepare_for_saving(*tensors) -> tuple[list[Optional[torch.Tensor]], list]:
     """Split tensors for ``ctx.save_for_backward``: returns (plain tensor list, objects list).
 
-    Plain tensors and None go to the tensor list unchanged (their object slot is None); a quantized
-    tensor contributes its buffers to the tensor list and itself, emptied, to the objects list.
+    Tensors (plain or quantized torch.Tensor subclasses such as Float8Tensor) and None go to the
+    tensor list unchanged (their object slot is None): a Float8Tensor is often the caller's
+    parameter or is used again later in forward, so it must not be emptied. A bare storage object
+    (``internal=True``) contributes its buffers to the tensor list and itself, emptied, to the
+    objects list.
     """
     tensor_list: list[Optional[torch.Tensor]] = []
     objects: list = []
     for t in tensors:
-        if isinstance(t, QuantizedTensorStorage):
+        if isinstance(t, QuantizedTensorStorage) and not isinstance(t, torch.Tensor):
             buffers, obj = t.prepare_for_saving()
             tensor_list.extend(buffers)
             objects.append(obj)
@@ -172,9 +175,12 @@ class QuantizedTensor(torch.Tensor):
     """A wrapper tensor whose dtype is the nominal (high-precision) dtype of quantized data."""
 
     @staticmethod
-    def __new__(cls, shape, dtype: torch.dtype, *, device=None, requires_grad: bool = False, **_):
+    def __new__(cls, shape, dtype: torch.dtype, *, device=None, requires_grad: bool = False,
+                strides=None, **_):
+        # ``strides``: those of the wrapped data, so that reshape/contiguous see a transposed or
+        # sliced view as non-contiguous (and copy) instead of calling view on strided bytes.
         return torch.Tensor._make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=device, requires_grad=requires_grad
+            cls, shape, strides=strides, dtype=dtype, device=device, requires_grad=requires_grad
         )
 
     # Python-level torch functions go straight to dispatch; rules live in __torch_dispatch__.

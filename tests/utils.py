@@ -1,0 +1,128 @@
+"""Helpers shared by the test files: SQNR, bitwise comparison with a readable failure, seeding, and
+the plain-torch per-tensor FP8 reference the quantizers are checked against."""
+
+from __future__ import annotations
+
+import math
+import random
+from typing import Optional
+
+import torch
+
+FLT_MAX = torch.finfo(torch.float32).max
+FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def fp8_id(dtype: torch.dtype) -> str:
+    """Short parametrize id of an fp8 dtype."""
+    return {torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}[dtype]
+
+
+def seed(value: int = 0) -> torch.Generator:
+    """Seed torch and random; return a CPU generator seeded with ``value`` for explicit draws."""
+    torch.manual_seed(value)
+    random.seed(value)
+    return torch.Generator().manual_seed(value)
+
+
+def sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
+    """Signal-to-quantization-noise ratio in dB: 20*log10(||ref|| / ||ref - x||); inf when equal."""
+    ref64 = ref.detach().to(torch.float64)
+    noise = torch.linalg.vector_norm(ref64 - x.detach().to(torch.float64)).item()
+    signal = torch.linalg.vector_norm(ref64).item()
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 20.0 * math.log10(signal / noise)
+
+
+def _as_bits(t: torch.Tensor) -> torch.Tensor:
+    """Integer view of the bytes, so NaNs compare equal to themselves and -0 differs from +0."""
+    t = t.detach().contiguous()
+    if t.dtype in (torch.float32,):
+        return t.view(torch.int32)
+    if t.dtype in (torch.float64,):
+        return t.view(torch.int64)
+    if t.dtype in (torch.bfloat16, torch.float16):
+        return t.view(torch.int16)
+    if t.element_size() == 1 and t.dtype is not torch.bool:
+        return t.view(torch.uint8)
+    return t
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, msg: str = "", *, show: int = 5) -> None:
+    """Same shape, dtype and bytes; on failure name how many elements differ and the first few."""
+    prefix = f"{msg}: " if msg else ""
+    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), (
+        f"{prefix}expected two tensors, got {type(a).__name__} and {type(b).__name__}")
+    assert a.shape == b.shape, f"{prefix}shape {tuple(a.shape)} != {tuple(b.shape)}"
+    assert a.dtype == b.dtype, f"{prefix}dtype {a.dtype} != {b.dtype}"
+    abits, bbits = _as_bits(a), _as_bits(b)
+    diff = abits != bbits
+    n = int(diff.sum())
+    if n == 0:
+        return
+    idx = diff.nonzero()[:show]
+    lines = []
+    for i in idx.tolist():
+        i = tuple(i)
+        mask = (1 << (8 * abits.element_size())) - 1
+        lines.append(f"  at {list(i)}: {a.detach()[i].item()!r} vs {b.detach()[i].item()!r} "
+                     f"(bits {abits[i].item() & mask:#x} vs {bbits[i].item() & mask:#x})")
+    raise AssertionError(f"{prefix}{n} of {a.numel()} elements differ; first {len(lines)}:\n"
+                         + "\n".join(lines))
+
+
+def assert_sqnr_at_least(ref: torch.Tensor, x: torch.Tensor, threshold_db: float, msg: str = "") -> None:
+    value = sqnr(ref, x)
+    assert value >= threshold_db, f"{msg}: SQNR {value:.2f} dB < threshold {threshold_db} dB"
+
+
+# ---- independent per-tensor FP8 reference (written from DESIGN.md §5, shares no library code) ----
+
+def ref_scale(amax: float, fp8_dtype: torch.dtype, *, force_pow_2: bool = False,
+              amax_epsilon: float = 0.0, margin: int = 0) -> torch.Tensor:
+    """fp32 [1] scale from a Python float amax: fp64 division rounded once to fp32 (the correctly
+    rounded fp32 quotient), inf -> FLT_MAX, amax 0/inf/NaN -> 1, pow2 rounds down via frexp."""
+    fmax = FP8_MAX[fp8_dtype]
+    if amax_epsilon > 0.0 and not math.isnan(amax):
+        # the epsilon is an fp32 value on device, as in TransformerEngine's kernels
+        amax = max(amax, torch.tensor(amax_epsilon, dtype=torch.float32).item())
+    if amax == 0.0 or math.isinf(amax) or math.isnan(amax):
+        return torch.ones(1, dtype=torch.float32)
+    scale64 = fmax / amax / 2.0**margin
+    scale = torch.tensor([scale64], dtype=torch.float64).to(torch.float32)
+    if torch.isinf(scale).item():
+        scale = torch.tensor([FLT_MAX], dtype=torch.float32)
+    if force_pow_2:
+        mantissa, exponent = math.frexp(scale.item())  # scale = m * 2**e, m in [0.5, 1)
+        scale = torch.tensor([math.ldexp(1.0, exponent - 1)], dtype=torch.float32)
+    return scale
+
+
+def ref_amax(x: torch.Tensor) -> float:
+    """max|x| as a Python float (NaN if any element is NaN), 0 for an empty tensor."""
+    if x.numel() == 0:
+        return 0.0
+    x64 = x.detach().to(torch.float64)
+    if torch.isnan(x64).any():
+        return math.nan
+    return x64.abs().max().item()
+
+
+def ref_cast(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 bytes of clamp(x * scale, -max, max) cast to fp8 (the product rounded once to fp32)."""
+    fmax = FP8_MAX[fp8_dtype]
+    scaled = (x.detach().to(torch.float64) * scale.to(torch.float64)).to(torch.float32)
+    return scaled.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8)
+
+
+def ref_scale_inv(scale: torch.Tensor) -> torch.Tensor:
+    return (1.0 / scale.to(torch.float64)).to(torch.float32)
+
+
+def ref_dequantize(data_u8: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype,
+                   dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
+    return (data_u8.view(fp8_dtype).to(torch.float32) * scale_inv.reshape(())).to(dtype)
