@@ -82,7 +82,8 @@ class Format(enum.Enum):
 
 
 def _check_choice(recipe: str, name: str, value, allowed) -> None:
-    if value not in allowed:
+    # True == 1 in Python: a flag given where a choice is expected is a mistake, not the value 1.
+    if isinstance(value, bool) or value not in allowed:
         raise ValueError(f"{recipe}.{name} must be one of {list(allowed)}, got {value!r}")
 
 
@@ -284,6 +285,8 @@ class CustomRecipe(Recipe):
             raise ValueError(
                 f"CustomRecipe.qfactory must be a callable role -> Quantizer, got {self.qfactory!r}"
             )
+        for flag in ("fp8_dpa", "fp8_mha"):
+            _check_type("CustomRecipe", flag, getattr(self, flag), (bool,), "a bool")
 
 
 # Recipe classes by the name a config file uses.
