@@ -54,10 +54,6 @@ def module_fqn(node: fx.Node) -> str:
     return _normalize_path(path)
 
 
-def _is_param(node: fx.Node, params: set[fx.Node]) -> bool:
-    return node in params
-
-
 def find_linear_sites(gm: fx.GraphModule, params: set[fx.Node]) -> list[LinearSite]:
     """Every linear-like call: ``F.linear(x, w, b)``; ``addmm(b, x, w)`` and ``matmul(x, w)`` /
     ``x @ w`` where ``w`` is a 2-D parameter stored [in, out] (``params``: placeholder nodes that
@@ -72,11 +68,11 @@ def find_linear_sites(gm: fx.GraphModule, params: set[fx.Node]) -> list[LinearSi
             sites.append(LinearSite(node, x, w, b, False, module_fqn(node), "linear"))
         elif node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
             b, x, w = node.args
-            if _is_param(w, params) and _is_vector(b):
+            if w in params and _is_vector(b):
                 sites.append(LinearSite(node, x, w, b, True, module_fqn(node), "addmm"))
         elif node.target in (torch.matmul, operator.matmul) and len(node.args) == 2:
             x, w = node.args
-            if _is_param(w, params) and _rank(w) == 2:
+            if w in params and _rank(w) == 2:
                 sites.append(LinearSite(node, x, w, None, True, module_fqn(node), "matmul"))
     return sites
 
