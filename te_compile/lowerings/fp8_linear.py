@@ -133,11 +133,11 @@ class _CustomLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, w_nk, recipe):
-        qx = recipe.qfactory("input").quantize(x2d)
+        x_quantizer = recipe.qfactory("input")
+        qx = x_quantizer.quantize(x2d)
         qw = recipe.qfactory("weight").quantize(w_nk)
-        quantizer = recipe.qfactory("input")
-        if hasattr(quantizer, "qgemm"):
-            y = quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
+        if hasattr(x_quantizer, "qgemm"):
+            y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
         else:
             y = (qx.dequantize(dtype=torch.float32) @ qw.dequantize(dtype=torch.float32).t()).to(x2d.dtype)
         tensors, ctx.objects = prepare_for_saving(qx, qw)
