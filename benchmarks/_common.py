@@ -1,0 +1,204 @@
+"""What bench_linear.py and bench_block.py share: providers, timing, peaks, table and JSON output.
+
+A provider turns a plain ``nn.Module`` into the callable that is timed:
+- ``inductor``: ``torch.compile`` with inductor in high precision (the baseline; bf16 on CUDA, fp32 on
+  CPU, where bf16 matmuls are extremely slow);
+- ``te <Recipe>``: ``torch.compile(backend=te_compile.backend(recipe=...))`` for every recipe the
+  backend supports;
+- ``torchao float8``: ``torchao.float8.convert_to_float8_training`` + inductor, when torchao imports.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable, Optional
+
+import torch
+from tabulate import tabulate
+
+import te_compile
+
+# Dense tensor-core peaks of an H100 SXM (NVIDIA datasheet, without sparsity), in TFLOP/s.
+H100_SXM_BF16_TFLOPS = 989.0
+H100_SXM_FP8_TFLOPS = 1979.0
+
+# The recipes the te backend can compile now, with the options each needs.
+TE_RECIPES = {
+    "Float8CurrentScaling": {},
+    "DelayedScaling": {"amax_history_len": 16},
+    "CustomRecipe": {"qfactory": "te_compile.custom_recipes.quantization_current_scaling:"
+                                 "current_scaling_ref_quantizer_factory"},
+}
+
+
+@dataclass
+class Provider:
+    name: str
+    fp8: bool                                   # judged against the FP8 peak
+    prepare: Optional[Callable]                 # nn.Module -> callable; None: not available
+    note: str = ""                              # why it is not available, or what it runs
+
+
+@dataclass
+class Row:
+    size: str
+    provider: str
+    median_ms: Optional[float]
+    tflops: Optional[float]
+    pct_peak: Optional[float]
+    speedup_vs_inductor: Optional[float]
+    first_call_s: Optional[float]               # compile + first run
+    note: str = ""
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="default: cuda when available, else cpu")
+    parser.add_argument("--iters", type=int, default=None,
+                        help="timed iterations per provider (default: 20 on CPU, 100 on CUDA)")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed iterations after the first (compiling) call (default: 3)")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help=f"high-precision peak of the device for %% of peak (default on CUDA: "
+                             f"{H100_SXM_BF16_TFLOPS:g}, H100 SXM bf16 dense; on CPU: n/a)")
+    parser.add_argument("--peak-fp8-tflops", type=float, default=None,
+                        help=f"FP8 peak for the te/torchao rows (default on CUDA: "
+                             f"{H100_SXM_FP8_TFLOPS:g}, H100 SXM fp8 dense; on CPU: n/a)")
+    parser.add_argument("--json", metavar="OUT.json", help="also write the rows as JSON")
+
+
+def resolve_device(args: argparse.Namespace) -> torch.device:
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: no CUDA device is available")
+    if args.iters is None:
+        args.iters = 100 if device.type == "cuda" else 20
+    if device.type == "cuda":
+        args.peak_tflops = args.peak_tflops or H100_SXM_BF16_TFLOPS
+        args.peak_fp8_tflops = args.peak_fp8_tflops or H100_SXM_FP8_TFLOPS
+    return device
+
+
+def baseline_dtype(device: torch.device) -> torch.dtype:
+    # bf16 matmuls are extremely slow on CPUs without AMX: compare against fp32 there.
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def describe_machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    return f"{os.cpu_count()}-core CPU ({platform.machine()}), torch {torch.__version__}"
+
+
+def precision_note(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "inductor baseline in bf16; te rows run FP8 GEMMs (torch._scaled_mm)"
+    return ("CPU: the inductor baseline runs in fp32 (bf16 matmuls are very slow on this CPU); the "
+            "te rows' FP8 GEMMs are emulated in software by torch._scaled_mm, so te is expected to "
+            "be slower than fp32 here")
+
+
+def providers(device: torch.device) -> list[Provider]:
+    out = [Provider("inductor", False, lambda m: torch.compile(m, dynamic=False),
+                    note=f"torch.compile, {str(baseline_dtype(device)).replace('torch.', '')}")]
+    for recipe, options in TE_RECIPES.items():
+        def prepare(m, recipe=recipe, options=options):
+            return torch.compile(m, backend=te_compile.backend(recipe=recipe, **options), dynamic=False)
+        out.append(Provider(f"te {recipe}", True, prepare))
+    try:
+        from torchao.float8 import convert_to_float8_training
+    except ImportError:
+        out.append(Provider("torchao float8", True, None, note="torchao not installed"))
+    else:
+        def prepare_ao(m):
+            convert_to_float8_training(m)
+            return torch.compile(m, dynamic=False)
+        out.append(Provider("torchao float8", True, prepare_ao, note="tensorwise, inductor"))
+    return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_step(step: Callable[[], None], device: torch.device, iters: int, warmup: int
+              ) -> tuple[float, float]:
+    """(seconds of the first call (compile), median seconds per call over ``iters`` calls)."""
+    t0 = time.perf_counter()
+    step()
+    _sync(device)
+    first = time.perf_counter() - t0
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return first, statistics.median(times)
+
+
+def make_row(size: str, provider: Provider, first_s: Optional[float], median_s: Optional[float],
+             flops: float, baseline_s: Optional[float], args: argparse.Namespace, note: str = "") -> Row:
+    if median_s is None:
+        return Row(size, provider.name, None, None, None, None, None, note or provider.note)
+    tflops = flops / median_s / 1e12
+    peak = args.peak_fp8_tflops if provider.fp8 else args.peak_tflops
+    return Row(size, provider.name, median_s * 1e3, tflops, 100.0 * tflops / peak if peak else None,
+               baseline_s / median_s if baseline_s else None, first_s, note or provider.note)
+
+
+def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def print_table(rows: list[Row]) -> None:
+    table = [(r.size, r.provider, _fmt(r.median_ms, ".3f"), _fmt(r.tflops, ".4f"),
+              _fmt(r.pct_peak, ".1f", "%"), _fmt(r.speedup_vs_inductor, ".2f", "x"),
+              _fmt(r.first_call_s, ".1f"), r.note) for r in rows]
+    print(tabulate(table, headers=["size", "provider", "median ms", "TFLOP/s", "% of peak",
+                                   "vs inductor", "first call s", "note"], disable_numparse=True))
+
+
+def write_json(path: str, bench: str, device: torch.device, args: argparse.Namespace,
+               rows: list[Row]) -> None:
+    payload = {
+        "benchmark": bench,
+        "date": datetime.date.today().isoformat(),
+        "machine": describe_machine(device),
+        "command": " ".join([os.path.basename(sys.executable)] + sys.argv),
+        "precision": precision_note(device),
+        "iters": args.iters,
+        "peak_tflops": args.peak_tflops,
+        "peak_fp8_tflops": args.peak_fp8_tflops,
+        "rows": [asdict(r) for r in rows],
+    }
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+    print(f"\nwrote {path}")
+
+
+def run_provider(provider: Provider, build: Callable, device: torch.device,
+                 args: argparse.Namespace) -> tuple[Optional[float], Optional[float], str]:
+    """Compile ``build()``'s step with ``provider`` and time it: (first_s, median_s, note)."""
+    if provider.prepare is None:
+        return None, None, provider.note
+    torch._dynamo.reset()  # every provider and size compiles from scratch, with static shapes
+    try:
+        step = build(provider.prepare)
+        first, median = time_step(step, device, args.iters, args.warmup)
+    except Exception as e:  # one provider failing must not hide the others' results
+        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return None, None, f"failed: {type(e).__name__}: {msg[:120]}"
+    return first, median, provider.note

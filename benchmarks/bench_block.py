@@ -1,0 +1,104 @@
+"""A GPT training step (forward + backward + AdamW): te (each supported recipe) vs inductor vs torchao.
+
+    python benchmarks/bench_block.py                           # CPU: small models, fp32 baseline
+    python benchmarks/bench_block.py --device cuda             # CUDA: width 1024/2048, bf16 baseline
+    python benchmarks/bench_block.py --sizes 8x128x256 --layers 2 --iters 10 --json out.json
+
+Sizes are BxTxC: batch B, sequence T (= block_size), width C of te_compile.models.GPT with --layers
+blocks, max(4, C // 128) heads and the byte vocabulary (256). The model is compiled; the AdamW step
+runs eagerly and is the same for every provider. FLOPs per step use nanoGPT's estimate:
+6 * (linear weights) * tokens + 12 * layers * T * C * tokens (attention, not halved for causality).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import _common
+from te_compile.models import GPT
+
+CPU_SIZES = "8x64x128,8x128x256"
+CUDA_SIZES = "8x1024x1024,4x2048x2048"
+
+
+def _parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    sizes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--sizes: expected BxTxC[,BxTxC...], got {item!r}")
+        sizes.append(tuple(int(p) for p in parts))
+    return sizes
+
+
+def _model(t: int, c: int, layers: int, device: torch.device, dtype: torch.dtype) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, n_layer=layers, n_head=max(4, c // 128), n_embd=c,
+               block_size=t).to(device=device, dtype=dtype)
+
+
+def _flops(b: int, t: int, c: int, layers: int, dtype: torch.dtype) -> float:
+    model = _model(t, c, layers, "meta", dtype)
+    linear = sum(mod.weight.numel() for mod in model.modules() if isinstance(mod, torch.nn.Linear))
+    tokens = b * t
+    return 6.0 * linear * tokens + 12.0 * layers * t * c * tokens
+
+
+def _builder(b: int, t: int, c: int, layers: int, device: torch.device, dtype: torch.dtype):
+    def build(prepare):
+        model = _model(t, c, layers, device, dtype)
+        fn = prepare(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        gen = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, 256, (b, t + 1), generator=gen).to(device)
+        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
+        def step():
+            _, loss = fn(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return step
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", help=f"BxTxC list (default CPU: {CPU_SIZES}; CUDA: {CUDA_SIZES})")
+    parser.add_argument("--layers", type=int, default=None, help="GPT blocks (default: 2 on CPU, 4 on CUDA)")
+    _common.add_common_args(parser)
+    args = parser.parse_args()
+    device = _common.resolve_device(args)
+    dtype = _common.baseline_dtype(device)
+    layers = args.layers or (4 if device.type == "cuda" else 2)
+    sizes = _parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES))
+
+    print(f"bench_block: GPT training step (fwd + bwd + AdamW), {layers} layers, "
+          f"{_common.describe_machine(device)}")
+    print(f"  {_common.precision_note(device)}")
+    print(f"  median of {args.iters} iterations after {args.warmup} warmup; "
+          f"FLOPs = 6*linear params*tokens + 12*layers*T*C*tokens\n", flush=True)
+    rows = []
+    for b, t, c in sizes:
+        size = f"{b}x{t}x{c}"
+        flops = _flops(b, t, c, layers, dtype)
+        baseline = None
+        for provider in _common.providers(device):
+            first, median, note = _common.run_provider(
+                provider, _builder(b, t, c, layers, device, dtype), device, args)
+            if provider.name == "inductor":
+                baseline = median
+            rows.append(_common.make_row(size, provider, first, median, flops, baseline, args, note))
+            print(f"  {size:>12}  {provider.name:<24} "
+                  f"{'n/a' if median is None else f'{median * 1e3:.2f} ms'}", flush=True)
+    print()
+    _common.print_table(rows)
+    if args.json:
+        _common.write_json(args.json, "bench_block", device, args, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""Forward + backward of one nn.Linear: te (each supported recipe) vs inductor vs torchao float8.
+
+    python benchmarks/bench_linear.py                          # CPU: small sizes, fp32 baseline
+    python benchmarks/bench_linear.py --device cuda            # CUDA: 4096..16384, bf16 baseline
+    python benchmarks/bench_linear.py --sizes 1024x1024x1024,2048x4096x1024 --iters 50 --json out.json
+
+Sizes are MxKxN: x [M, K] @ w.T with w [N, K]. One step is y = linear(x); y.backward(dy), i.e.
+fprop, dgrad and wgrad GEMMs: 6*M*K*N FLOPs. Bias-free, so the GEMMs (and the te quantization
+around them) are all that is timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import _common
+
+CPU_SIZES = "256x256x256,512x512x512,1024x1024x1024"
+CUDA_SIZES = "4096x4096x4096,8192x8192x8192,16384x8192x16384"
+
+
+def _parse_sizes(text: str) -> list[tuple[int, int, int]]:
+    sizes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--sizes: expected MxKxN[,MxKxN...], got {item!r}")
+        sizes.append(tuple(int(p) for p in parts))
+    return sizes
+
+
+def _builder(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype):
+    def build(prepare):
+        torch.manual_seed(0)
+        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+        fn = prepare(linear)
+        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+        dy = torch.randn(m, n, device=device, dtype=dtype)
+
+        def step():
+            fn(x).backward(dy)
+            x.grad = None
+            linear.weight.grad = None
+        return step
+    return build
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", help=f"MxKxN list (default CPU: {CPU_SIZES}; CUDA: {CUDA_SIZES})")
+    _common.add_common_args(parser)
+    args = parser.parse_args()
+    device = _common.resolve_device(args)
+    dtype = _common.baseline_dtype(device)
+    sizes = _parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES))
+
+    print(f"bench_linear: nn.Linear forward + backward, {_common.describe_machine(device)}")
+    print(f"  {_common.precision_note(device)}")
+    print(f"  median of {args.iters} iterations after {args.warmup} warmup; FLOPs = 6*M*K*N\n", flush=True)
+    rows = []
+    for m, k, n in sizes:
+        size = f"{m}x{k}x{n}"
+        flops = 6.0 * m * k * n
+        baseline = None
+        for provider in _common.providers(device):
+            first, median, note = _common.run_provider(
+                provider, _builder(m, k, n, device, dtype), device, args)
+            if provider.name == "inductor":
+                baseline = median
+            rows.append(_common.make_row(size, provider, first, median, flops, baseline, args, note))
+            print(f"  {size:>16}  {provider.name:<24} "
+                  f"{'n/a' if median is None else f'{median * 1e3:.3f} ms'}", flush=True)
+    print()
+    _common.print_table(rows)
+    if args.json:
+        _common.write_json(args.json, "bench_linear", device, args, rows)
+
+
+if __name__ == "__main__":
+    main()

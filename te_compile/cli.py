@@ -1,0 +1,541 @@
+"""``te-compile`` / ``python -m te_compile``: the demo and the report dry run.
+
+    te-compile demo [--config PATH | --recipe NAME] [--steps N] [--device cpu|cuda] [--plot out.png]
+    te-compile report MODULE:FACTORY [--config PATH] [--recipe NAME] [--batch-size B] [--seq-len T]
+    te-compile --version
+
+``demo`` trains the same GPT (te_compile.models) twice on the same batches of the standard library's
+source bytes (te_compile.data): once compiled with ``backend="te"``, once with inductor in high
+precision, and prints the two loss curves, throughput, saved-activation memory and the site report.
+``report`` compiles any model factory with the te backend (aot_eager: no codegen) and prints which
+sites were rewritten and why the others were not. Usage errors exit with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from tabulate import tabulate
+
+__all__ = ["main"]
+
+_PROG = "te-compile"
+_DEFAULT_RECIPE = "Float8CurrentScaling"
+_PLOT_HINT = 'pip install "te_compile[plot]"'
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs: printed without a traceback, exit status 2."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Shared helpers
+
+
+def _te_backend(config_path: Optional[str], recipe: Optional[str], compiler: Optional[str],
+                default_recipe: Optional[str]) -> Callable:
+    """``te_compile.backend`` for the command line's --config / --recipe (the recipe is layered over
+    the file). With neither, ``default_recipe`` is used, or (None) the usual config resolution
+    (TE_COMPILE_CONFIG, ./te_compile.toml, [tool.te_compile] in ./pyproject.toml, defaults)."""
+    from . import backend
+    from .config import ConfigError, resolve_config
+
+    options = {}
+    if recipe is not None or (config_path is None and default_recipe is not None):
+        options["recipe"] = recipe if recipe is not None else default_recipe
+    try:
+        if config_path is None and not options:
+            config = resolve_config()
+            if compiler is not None:
+                config = dataclasses.replace(config, compiler=compiler)
+            return backend(config)
+        if compiler is not None:
+            options["compiler"] = compiler
+        return backend(config=config_path, **options)
+    except ConfigError as e:
+        raise UsageError(f"bad config: {e}") from None
+
+
+def _recipe_label(te: Callable) -> str:
+    config = te.config
+    name = config.recipe.name if config.recipe is not None else "none (high precision)"
+    return f"{name} (config: {config.source})"
+
+
+def _unsupported_reason(exc: BaseException) -> Optional[str]:
+    """The message of a NotImplementedError anywhere in ``exc``'s chain (torch.compile wraps the
+    backend's exceptions), i.e. a recipe the backend does not support yet."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, NotImplementedError):
+            return str(exc)
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+def _first_tensor(out: Any) -> Optional[torch.Tensor]:
+    """The tensor to backpropagate from a model's output: a tensor, ``.loss`` / ``.logits`` of an HF
+    output, or the first floating tensor of a tuple/list/dict."""
+    if isinstance(out, torch.Tensor):
+        return out if out.is_floating_point() else None
+    for name in ("loss", "logits"):
+        value = getattr(out, name, None)
+        if isinstance(value, torch.Tensor):
+            return value
+    values = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    for value in values:
+        t = _first_tensor(value)
+        if t is not None:
+            return t
+    return None
+
+
+def _call(model: torch.nn.Module, example: Any) -> Any:
+    if isinstance(example, dict):
+        return model(**example)
+    if isinstance(example, (tuple, list)):
+        return model(*example)
+    return model(example)
+
+
+# ---------------------------------------------------------------------------------------------
+# demo
+
+
+@dataclass
+class _RunResult:
+    label: str
+    losses: list[float] = field(default_factory=list)
+    step_times: list[float] = field(default_factory=list)   # seconds per step, step 1 = compile
+    saved_bytes: Optional[int] = None                        # saved for backward, params excluded
+
+    def final_loss(self) -> float:
+        tail = self.losses[-5:]
+        return sum(tail) / len(tail)
+
+    def tokens_per_s(self, tokens_per_step: int) -> Optional[float]:
+        steady = self.step_times[1:]
+        return tokens_per_step * len(steady) / sum(steady) if steady else None
+
+
+class _Progress:
+    """One line per run, rewritten in place (``\\r``) on a terminal; on a pipe, a line every few steps."""
+
+    def __init__(self, label: str, total: int, stream) -> None:
+        self.label, self.total, self.stream = label, total, stream
+        self.tty = bool(getattr(stream, "isatty", lambda: False)())
+        self.every = max(1, total // 6)
+        self.width = 0
+
+    def _emit(self, text: str, final: bool = False) -> None:
+        if self.tty:
+            self.stream.write("\r" + text.ljust(self.width))
+            self.width = max(self.width, len(text))
+            if final:
+                self.stream.write("\n")
+        else:
+            self.stream.write(text + "\n")
+        self.stream.flush()
+
+    def compiling(self) -> None:
+        self._emit(f"{self.label}  step    0/{self.total}  compiling (first step)...")
+
+    def step(self, step: int, loss: float, tokens_per_s: Optional[float]) -> None:
+        last = step == self.total
+        if not self.tty and not (step == 1 or last or step % self.every == 0):
+            return
+        rate = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s is not None else "(incl. compile)"
+        self._emit(f"{self.label}  step {step:>4}/{self.total}  loss {loss:.4f}  {rate}", final=last)
+
+
+def _saved_for_backward_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
+    """Bytes of the distinct storages one training step saves for backward, parameters excluded.
+
+    Compiled graphs save their tensors through the ordinary autograd mechanism (the compiled
+    autograd.Function's ctx), so ``saved_tensors_hooks`` sees exactly what the compiled forward
+    keeps alive for the backward: FP8 copies for the te run, high-precision activations otherwise.
+    """
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    storages: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        try:
+            storage = t.untyped_storage()
+            key, nbytes = storage.data_ptr(), storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a wrapper subclass without one storage
+            key, nbytes = id(t), t.numel() * t.element_size()
+        if key not in params:
+            storages[key] = nbytes
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        _, loss = model(x, y)
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return sum(storages.values())
+
+
+def _warmup_steps(steps: int) -> int:
+    # a short linear warmup: without it the first large updates make the loss spike on some batches
+    return max(1, min(10, steps // 6))
+
+
+def _train(label: str, compiled: torch.nn.Module, params, batches, lr: float, tokens_per_step: int,
+           device: torch.device, stream) -> _RunResult:
+    opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    warmup = _warmup_steps(len(batches))
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
+    result = _RunResult(label)
+    progress = _Progress(label, len(batches), stream)
+    progress.compiling()
+    for step, (x, y) in enumerate(batches, start=1):
+        t0 = time.perf_counter()
+        _, loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        schedule.step()
+        opt.zero_grad(set_to_none=True)
+        value = loss.item()  # waits for the device
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        result.step_times.append(time.perf_counter() - t0)
+        if not math.isfinite(value):
+            raise RuntimeError(f"{label}: loss is {value} at step {step}")
+        result.losses.append(value)
+        progress.step(step, value, result.tokens_per_s(tokens_per_step))
+    return result
+
+
+def _plot(path: str, te: _RunResult, hp: _RunResult, title: str) -> None:
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=120)
+    ax = fig.subplots()
+    steps = range(1, len(te.losses) + 1)
+    ax.plot(steps, hp.losses, label=hp.label, linewidth=1.5)
+    ax.plot(steps, te.losses, label=te.label, linewidth=1.5, linestyle="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+
+
+def _fmt(value: Optional[float], spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from . import report as te_report, reset
+    from .data import VOCAB_SIZE, get_batch
+    from .models import GPT, gpt_small, gpt_tiny
+
+    if args.plot:
+        try:
+            import matplotlib.figure  # noqa: F401  (the plot extra)
+        except ImportError:
+            raise UsageError(f"--plot needs matplotlib, which is not installed: {_PLOT_HINT}") from None
+    if args.steps < 1 or args.batch_size < 1:
+        raise UsageError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
+    if args.config is not None and not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config}: no such file")
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available (use --device cpu)")
+    # bf16 matmuls are extremely slow on CPUs without AMX; both runs use the same dtype
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype_name = str(dtype).replace("torch.", "")
+    te = _te_backend(args.config, args.recipe, args.compiler, default_recipe=_DEFAULT_RECIPE)
+    hp_backend = "inductor" if args.compiler in (None, "inductor") else args.compiler
+
+    factory = gpt_tiny if args.model == "tiny" else gpt_small
+    probe = factory()
+    block_size = probe.block_size
+    gen = torch.Generator().manual_seed(args.seed)
+    batches = [get_batch("train", args.batch_size, block_size, gen, device=device)
+               for _ in range(args.steps)]
+    tokens_per_step = args.batch_size * block_size
+    n_params = sum(p.numel() for p in probe.parameters())
+    n_layer, n_embd = len(probe.blocks), probe.tok_emb.embedding_dim
+    out = sys.stdout
+    layers = f"{n_layer} layer{'s' if n_layer != 1 else ''}"
+    print(f"te-compile demo: GPT ({layers}, width {n_embd}, {n_params / 1e6:.2f}M params, "
+          f"vocab {VOCAB_SIZE}) on the Python standard library's source bytes", file=out)
+    print(f"  {args.steps} steps of AdamW (lr {args.lr:g}, {_warmup_steps(args.steps)} warmup steps), "
+          f"batch {args.batch_size} x {block_size} tokens, {device.type} {dtype_name}, seed {args.seed}",
+          file=out)
+    te_label = f"te {te.config.recipe.name if te.config.recipe is not None else 'none'}"
+    hp_label = f"high precision ({hp_backend})"
+    print(f"  te run: torch.compile(backend=te), recipe {_recipe_label(te)}", file=out)
+    print(f"  hp run: torch.compile(backend={hp_backend!r}), {dtype_name}", file=out)
+    print(file=out, flush=True)
+
+    reset()
+    results = {}
+    width = max(len(te_label), len(hp_label))
+    for label, backend_fn in ((te_label, te), (hp_label, hp_backend)):
+        torch.manual_seed(args.seed)  # identical initial weights for both runs
+        model: GPT = factory().to(device=device, dtype=dtype)
+        compiled = torch.compile(model, backend=backend_fn)
+        try:
+            result = _train(label.ljust(width), compiled, model.parameters(), batches, args.lr,
+                            tokens_per_step, device, out)
+        except Exception as e:
+            reason = _unsupported_reason(e)
+            if reason is None:
+                raise
+            out.write("\n")
+            raise UsageError(f"the te backend cannot run this recipe: {reason}") from None
+        result.label = label
+        result.saved_bytes = _saved_for_backward_bytes(compiled, *batches[0])
+        results[label] = result
+    te_run, hp_run = results[te_label], results[hp_label]
+
+    # Loss curves, side by side: about ten rows plus the first and last step
+    every = max(1, args.steps // 10)
+    rows = [(s, f"{te_run.losses[s - 1]:.4f}", f"{hp_run.losses[s - 1]:.4f}",
+             f"{te_run.losses[s - 1] - hp_run.losses[s - 1]:+.4f}")
+            for s in range(1, args.steps + 1) if s == 1 or s % every == 0 or s == args.steps]
+    print(f"\nTraining loss (every {every} steps)", file=out)
+    print(tabulate(rows, headers=["step", te_label, hp_label, "te - hp"], disable_numparse=True), file=out)
+
+    n_final = min(5, args.steps)
+    te_final, hp_final = te_run.final_loss(), hp_run.final_loss()
+    gap = 100.0 * (te_final - hp_final) / hp_final
+    te_tps, hp_tps = te_run.tokens_per_s(tokens_per_step), hp_run.tokens_per_s(tokens_per_step)
+    te_mib = te_run.saved_bytes / 2**20 if te_run.saved_bytes else None
+    hp_mib = hp_run.saved_bytes / 2**20 if hp_run.saved_bytes else None
+
+    def ratio(a, b):
+        return f"{a / b:.2f}x" if a is not None and b else "n/a"
+
+    summary = [
+        (f"final loss (mean of last {n_final} steps)", f"{te_final:.4f}", f"{hp_final:.4f}",
+         f"{gap:+.2f}%"),
+        ("tokens/s (steps 2.., compile excluded)", _fmt(te_tps, ",.0f"), _fmt(hp_tps, ",.0f"),
+         ratio(te_tps, hp_tps)),
+        ("first step incl. compile (s)", f"{te_run.step_times[0]:.1f}", f"{hp_run.step_times[0]:.1f}", ""),
+        ("saved for backward, one step (MiB)", _fmt(te_mib, ".2f"), _fmt(hp_mib, ".2f"),
+         ratio(te_mib, hp_mib)),
+    ]
+    print("\nSummary", file=out)
+    print(tabulate(summary, headers=["", te_label, hp_label, "te vs hp"], disable_numparse=True), file=out)
+    print(f"\nfinal-loss gap (te vs high precision): {gap:+.2f}%", file=out)
+    print("saved-for-backward memory: distinct storages that the compiled forward hands to autograd "
+          "for the backward (torch.autograd.graph.saved_tensors_hooks), parameters excluded", file=out)
+    if device.type == "cpu":
+        print("throughput on CPU: FP8 GEMMs are emulated in software by torch._scaled_mm, so te is "
+              "expected to be slower than high precision here; the speedup needs an FP8 GPU", file=out)
+
+    print("\nte_compile.report() (sites of the te run)", file=out)
+    print(te_report(), file=out)
+
+    if args.plot:
+        title = f"GPT {n_layer}x{n_embd}, batch {args.batch_size}x{block_size}, {device.type}"
+        _plot(args.plot, te_run, hp_run, title)
+        print(f"\nwrote the loss curves to {args.plot}", file=out)
+    out.flush()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+
+
+def _load_factory(spec: str) -> tuple[Callable, Any]:
+    """(factory, its module) for ``MODULE:FACTORY``; the current directory is importable."""
+    module_name, sep, attr_path = spec.partition(":")
+    if not sep or not module_name or not attr_path:
+        raise UsageError(f"expected MODULE:FACTORY (e.g. te_compile.models:gpt_small), got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path and "" not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as e:  # the user's module may fail in any way while importing
+        raise UsageError(f"cannot import module {module_name!r} (from {spec!r}): "
+                         f"{type(e).__name__}: {e}") from None
+    obj = module
+    for attr in attr_path.split("."):
+        if not hasattr(obj, attr):
+            raise UsageError(f"module {module_name!r} has no attribute {attr_path!r} (from {spec!r})")
+        obj = getattr(obj, attr)
+    if not callable(obj):
+        raise UsageError(f"{spec!r} is not callable (got {type(obj).__name__})")
+    return obj, module
+
+
+def _vocab_size(model: torch.nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    for owner in (config, model):
+        value = getattr(owner, "vocab_size", None) if owner is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    emb = getattr(model, "tok_emb", None)
+    return emb.num_embeddings if isinstance(emb, torch.nn.Embedding) else None
+
+
+def _max_positions(model: torch.nn.Module) -> Optional[int]:
+    config = getattr(model, "config", None)
+    for owner, name in ((model, "block_size"), (config, "max_position_embeddings"),
+                        (config, "n_positions")):
+        value = getattr(owner, name, None) if owner is not None else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def _sample_input(model: torch.nn.Module, module, explicit: Any, batch_size: int,
+                  seq_len: Optional[int]) -> tuple[Any, str]:
+    """(input, description): the factory's own example, the module's ``example_input()``, or
+    token ids [B, T] for a language model (``config.vocab_size``, ``vocab_size`` or ``tok_emb``)."""
+    if explicit is not None:
+        return explicit, "the factory's example input"
+    if callable(getattr(module, "example_input", None)):
+        return module.example_input(), f"{module.__name__}.example_input()"
+    vocab = _vocab_size(model)
+    if vocab is None:
+        raise UsageError(
+            f"cannot make a sample input for {type(model).__name__}: it has no vocab_size (or "
+            f"config.vocab_size / tok_emb); define example_input() in its module or return "
+            f"(model, example_input) from the factory")
+    limit = _max_positions(model)
+    t = seq_len if seq_len is not None else min(64, limit or 64)
+    if limit is not None and t > limit:
+        raise UsageError(f"--seq-len {t} exceeds the model's maximum of {limit} positions")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    ids = torch.randint(0, vocab, (batch_size, t), generator=torch.Generator().manual_seed(0))
+    return ids.to(device), f"token ids int64[{batch_size}, {t}] (vocab {vocab})"
+
+
+def _count_linear_modules(model: torch.nn.Module) -> int:
+    # nn.Linear, and HF's Conv1D (GPT-2), whose weight is stored [in, out]
+    return sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())
+
+
+def _report(args: argparse.Namespace) -> int:
+    from . import report as te_report, reset
+
+    if args.batch_size < 1 or (args.seq_len is not None and args.seq_len < 1):
+        raise UsageError(f"--batch-size and --seq-len must be >= 1, got {args.batch_size} and {args.seq_len}")
+    if args.config is not None and not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config}: no such file")
+    factory, module = _load_factory(args.factory)
+    te = _te_backend(args.config, args.recipe, "aot_eager", default_recipe=None)
+    try:
+        built = factory()
+    except Exception as e:
+        raise UsageError(f"{args.factory}() failed: {type(e).__name__}: {e}") from None
+    explicit = None
+    if isinstance(built, tuple) and len(built) == 2 and isinstance(built[0], torch.nn.Module):
+        built, explicit = built
+    if not isinstance(built, torch.nn.Module):
+        raise UsageError(f"{args.factory}() must return an nn.Module or (nn.Module, example_input), "
+                         f"got {type(built).__name__}")
+    model = built
+    example, described = _sample_input(model, module, explicit, args.batch_size, args.seq_len)
+
+    print(f"te-compile report {args.factory}: {type(model).__name__}, "
+          f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, "
+          f"{_count_linear_modules(model)} linear modules", flush=True)
+    print(f"  input: {described}")
+    print(f"  recipe: {_recipe_label(te)}; dry run with compiler aot_eager (no inductor codegen)")
+    reset()
+    compiled = torch.compile(model, backend=te)
+    try:
+        out = _call(compiled, example)
+        target = _first_tensor(out)
+        if target is not None and target.requires_grad:
+            target.float().square().mean().backward()  # runs the compiled backward too
+    except Exception as e:
+        reason = _unsupported_reason(e)
+        if reason is None:
+            raise
+        raise UsageError(f"the te backend cannot run this recipe: {reason}") from None
+    rep = te_report()
+    print()
+    print(rep)
+    graphs = len({s.graph for s in rep.sites})
+    if graphs > 1:
+        print(f"note: Dynamo split the model into {graphs} graphs (graph breaks)")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# entry point
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import __version__
+
+    parser = argparse.ArgumentParser(
+        prog=_PROG, description="te_compile: TransformerEngine-style FP8 training through torch.compile.")
+    parser.add_argument("--version", action="store_true", help="print the version and exit")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,report}")
+
+    demo = sub.add_parser(
+        "demo", help="train a small GPT in FP8 (te) and in high precision side by side",
+        description="Train the same GPT twice on identical batches of Python standard library "
+                    "source bytes: compiled with backend='te' and with inductor in high precision.")
+    demo.add_argument("--config", metavar="PATH", help="te_compile TOML config (see examples/)")
+    demo.add_argument("--recipe", metavar="NAME",
+                      help=f"recipe class name, layered over --config (default: {_DEFAULT_RECIPE})")
+    demo.add_argument("--steps", type=int, default=60, help="training steps per run (default: 60)")
+    demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    demo.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
+    demo.add_argument("--device", choices=("cpu", "cuda"),
+                      help="default: cuda when available (bf16), else cpu (fp32)")
+    demo.add_argument("--plot", metavar="OUT.png",
+                      help=f"write the loss curves (needs matplotlib: {_PLOT_HINT})")
+    # for tests and quick checks: a one-block model, and aot_eager (no inductor codegen) for both runs
+    demo.add_argument("--model", choices=("small", "tiny"), default="small", help=argparse.SUPPRESS)
+    demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
+    demo.set_defaults(handler=_demo)
+
+    report = sub.add_parser(
+        "report", help="compile a model factory with the te backend and print the site table",
+        description="Dry run: build MODULE:FACTORY (the current directory is importable), compile it "
+                    "with the te backend (aot_eager), run one forward and backward on a sample input "
+                    "and print which sites were rewritten and why the others were not.")
+    report.add_argument("factory", metavar="MODULE:FACTORY",
+                        help="e.g. te_compile.models:gpt_small or examples.hf_models:tiny_llama; the "
+                             "factory returns a model or (model, example_input)")
+    report.add_argument("--config", metavar="PATH", help="te_compile TOML config")
+    report.add_argument("--recipe", metavar="NAME", help="recipe class name, layered over --config")
+    report.add_argument("--batch-size", type=int, default=2, help="sample batch size (default: 2)")
+    report.add_argument("--seq-len", type=int,
+                        help="sample sequence length (default: 64, capped at the model's maximum)")
+    report.set_defaults(handler=_report)
+    parser.set_defaults(handler=None, version_string=f"{_PROG} {__version__} (torch {torch.__version__})")
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run the command line; returns the exit status (0 ok, 2 usage error)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.version:
+        print(args.version_string)
+        return 0
+    if args.handler is None:
+        parser.print_help(sys.stderr)
+        return 2
+    try:
+        return args.handler(args)
+    except UsageError as e:
+        sys.stdout.flush()
+        print(f"{_PROG} {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,171 @@
+"""The command line (te_compile/cli.py), the demo's model and data.
+
+Compiles are the cost here (~10 s each), so the compiling tests use aot_eager and small models:
+report on gpt_small (1 compile), report on a module from the current directory (1), the demo on a
+one-block GPT (2: te and high precision), an unsupported recipe (traced, fails before codegen).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import te_compile
+from te_compile.cli import main
+from te_compile.data import VOCAB_SIZE, get_batch
+from te_compile.models import gpt_small
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    # Each test compiles other models/shapes; a shared Dynamo cache would turn later compiles
+    # into recompiles with dynamic shapes.
+    torch._dynamo.reset()
+    te_compile.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def _eligible_linears(model: torch.nn.Module) -> int:
+    return sum(
+        isinstance(m, torch.nn.Linear) and m.in_features % 16 == 0 and m.out_features % 16 == 0
+        for m in model.modules()
+    )
+
+
+def test_version(capsys):
+    assert main(["--version"]) == 0
+    expected = f"te-compile {te_compile.__version__} (torch {torch.__version__})"
+    assert capsys.readouterr().out.strip() == expected
+
+
+def test_python_dash_m_is_the_console_script():
+    out = subprocess.run([sys.executable, "-m", "te_compile", "--version"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("te-compile ")
+
+
+def test_no_subcommand_prints_help_and_exits_2(capsys):
+    assert main([]) == 2
+    assert "usage: te-compile" in capsys.readouterr().err
+
+
+def test_report_gpt_small_rewrites_every_eligible_linear(capsys):
+    assert main(["report", "te_compile.models:gpt_small"]) == 0
+    out = capsys.readouterr().out
+    eligible = _eligible_linears(gpt_small())
+    assert eligible == 4 * 4 + 1  # qkv, proj, fc, proj per block, and lm_head (256 % 16 == 0)
+    rewritten = [s for s in te_compile.report().sites if s.op == "linear" and s.rewritten]
+    assert len(rewritten) == eligible, out
+    assert {s.fqn for s in rewritten} >= {"blocks.0.attn.qkv", "blocks.3.mlp.proj", "lm_head"}
+    assert f"{eligible} of {eligible} sites rewritten" in out
+    assert "token ids int64[2, 64] (vocab 256)" in out
+    assert "aot_eager" in out
+
+
+def test_report_module_from_cwd_with_example_input(tmp_path, monkeypatch, capsys):
+    (tmp_path / "te_cli_example_models.py").write_text(textwrap.dedent("""
+        import torch
+
+        def mlp():
+            # 10 outputs: not a multiple of 16, so the second linear stays in high precision
+            return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 10))
+
+        def example_input():
+            return torch.randn(4, 32)
+    """))
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "path", list(sys.path))  # undo the CLI's insertion of the cwd
+    monkeypatch.delitem(sys.modules, "te_cli_example_models", raising=False)
+    assert main(["report", "te_cli_example_models:mlp"]) == 0
+    out = capsys.readouterr().out
+    assert "te_cli_example_models.example_input()" in out
+    sites = {s.fqn: s for s in te_compile.report().sites}
+    assert sites["0"].rewritten
+    assert not sites["2"].rewritten and "divisible by 16" in sites["2"].reason
+    assert "1 of 2 sites rewritten" in out
+
+
+@pytest.mark.parametrize("spec, message", [
+    ("te_compile.models", "expected MODULE:FACTORY"),
+    ("no_such_module_xyz:factory", "cannot import module 'no_such_module_xyz'"),
+    ("te_compile.models:no_such_factory", "has no attribute 'no_such_factory'"),
+    ("te_compile.models:__doc__", "is not callable"),
+])
+def test_report_bad_factory_exits_2(spec, message, capsys):
+    assert main(["report", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("te-compile report: error: ") and message in err, err
+
+
+def test_bad_recipe_name_exits_2(capsys):
+    assert main(["report", "te_compile.models:gpt_small", "--recipe", "Float8CurentScaling"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown recipe 'Float8CurentScaling'" in err and "did you mean 'Float8CurrentScaling'" in err
+
+
+def test_unsupported_recipe_exits_2_with_the_reason(capsys):
+    argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "1",
+            "--recipe", "MXFP8BlockScaling"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "not supported by the te backend yet" in err, err
+
+
+def test_plot_without_matplotlib_exits_2_before_training(monkeypatch, capsys):
+    # None in sys.modules makes "import matplotlib..." raise ImportError
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
+    assert main(["demo", "--plot", "loss.png"]) == 2
+    captured = capsys.readouterr()
+    assert 'pip install "te_compile[plot]"' in captured.err
+    assert "step" not in captured.out  # nothing was trained
+
+
+def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys):
+    argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "3", "--batch-size", "2"]
+    plot = tmp_path / "loss.png"
+    try:
+        import matplotlib.figure  # noqa: F401
+        argv += ["--plot", str(plot)]
+    except ImportError:
+        plot = None
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("te Float8CurrentScaling", "high precision (aot_eager)", "step    3/3",
+                 "final loss (mean of last 3 steps)", "final-loss gap (te vs high precision)",
+                 "tokens/s (steps 2.., compile excluded)", "5 of 5 sites rewritten"):
+        assert text in out, f"{text!r} missing from:\n{out}"
+    # saved-for-backward MiB of the te and high-precision runs: FP8 copies are smaller
+    row = next(line for line in out.splitlines() if line.startswith("saved for backward"))
+    te_mib, hp_mib = (float(v) for v in row.split()[-3:-1])
+    assert 0 < te_mib < hp_mib, row
+    if plot is not None:
+        assert plot.stat().st_size > 0
+
+
+def test_get_batch_is_deterministic_and_shifted():
+    a = get_batch("train", 4, 16, torch.Generator().manual_seed(123))
+    b = get_batch("train", 4, 16, torch.Generator().manual_seed(123))
+    c = get_batch("train", 4, 16, torch.Generator().manual_seed(124))
+    assert torch.equal(a[0], b[0]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0], c[0])
+    x, y = a
+    assert x.shape == y.shape == (4, 16) and x.dtype == y.dtype == torch.int64
+    assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one token
+    assert 0 <= int(x.min()) and int(x.max()) < VOCAB_SIZE
+
+
+def test_val_split_is_held_out():
+    from te_compile.data import corpus_bytes, tokens
+
+    train, val = tokens("train"), tokens("val")
+    assert len(train) + len(val) == len(corpus_bytes()) and len(val) > 0
+    assert bytes(val[:64].tolist()) == corpus_bytes()[len(train):len(train) + 64]
+    x, _ = get_batch("val", 2, 32, torch.Generator().manual_seed(0))
+    assert x.shape == (2, 32)
