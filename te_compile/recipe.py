@@ -102,6 +102,17 @@ def _check_format(recipe: str, name: str, value, allowed: tuple[Format, ...]) ->
         )
 
 
+def _check_flags(recipe: str, obj, *names: str) -> None:
+    for name in names:
+        _check_type(recipe, name, getattr(obj, name), (bool,), "a bool")
+
+
+def _check_epsilon(recipe: str, value) -> None:
+    _check_type(recipe, "amax_epsilon", value, (int, float), "a non-negative float")
+    if not value >= 0.0 or math.isinf(value):
+        raise ValueError(f"{recipe}.amax_epsilon must be a finite non-negative float, got {value!r}")
+
+
 class Recipe:
     """Base class of all recipes; the predicates mirror TransformerEngine's."""
 
@@ -173,8 +184,7 @@ class DelayedScaling(Recipe):
                 f"{n}.scaling_factor_compute_algo must be None or a callable, "
                 f"got {self.scaling_factor_compute_algo!r}"
             )
-        for flag in ("reduce_amax", "fp8_dpa", "fp8_mha"):
-            _check_type(n, flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags(n, self, "reduce_amax", "fp8_dpa", "fp8_mha")
 
 
 @dataclass(frozen=True)
@@ -192,12 +202,9 @@ class Float8CurrentScaling(Recipe):
     def __post_init__(self):
         n = "Float8CurrentScaling"
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        _check_type(n, "use_power_2_scales", self.use_power_2_scales, (bool,), "a bool")
-        _check_type(n, "amax_epsilon", self.amax_epsilon, (int, float), "a non-negative float")
-        if not self.amax_epsilon >= 0.0 or math.isinf(self.amax_epsilon):
-            raise ValueError(f"{n}.amax_epsilon must be a finite non-negative float, got {self.amax_epsilon!r}")
-        for flag in ("fp8_dpa", "fp8_mha"):
-            _check_type(n, flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags(n, self, "use_power_2_scales")
+        _check_epsilon(n, self.amax_epsilon)
+        _check_flags(n, self, "fp8_dpa", "fp8_mha")
 
 
 @dataclass(frozen=True)
@@ -211,8 +218,7 @@ class MXFP8BlockScaling(Recipe):
     def __post_init__(self):
         n = "MXFP8BlockScaling"
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        for flag in ("fp8_dpa", "fp8_mha"):
-            _check_type(n, flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags(n, self, "fp8_dpa", "fp8_mha")
 
 
 @dataclass(frozen=True)
@@ -234,18 +240,15 @@ class Float8BlockScaling(Recipe):
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3,))
         for dim in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_choice(n, dim, getattr(self, dim), (1, 2))
-        _check_type(n, "use_power_2_scales", self.use_power_2_scales, (bool,), "a bool")
-        _check_type(n, "amax_epsilon", self.amax_epsilon, (int, float), "a non-negative float")
-        if not self.amax_epsilon >= 0.0 or math.isinf(self.amax_epsilon):
-            raise ValueError(f"{n}.amax_epsilon must be a finite non-negative float, got {self.amax_epsilon!r}")
+        _check_flags(n, self, "use_power_2_scales")
+        _check_epsilon(n, self.amax_epsilon)
         # TransformerEngine's kernels support 2-D blocks only for weights.
         if self.x_block_scaling_dim == 2 or self.grad_block_scaling_dim == 2:
             raise ValueError(
                 f"{n}: x_block_scaling_dim and grad_block_scaling_dim must be 1 (only weights use "
                 f"2-D blocks), got {self.x_block_scaling_dim} and {self.grad_block_scaling_dim}"
             )
-        for flag in ("fp8_dpa", "fp8_mha"):
-            _check_type(n, flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags(n, self, "fp8_dpa", "fp8_mha")
 
 
 @dataclass(frozen=True)
@@ -267,9 +270,8 @@ class NVFP4BlockScaling(Recipe):
         n = "NVFP4BlockScaling"
         _check_format(n, "fp4_format", self.fp4_format, (Format.E2M1,))
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3,))
-        for flag in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
-                     "fp8_dpa", "fp8_mha"):
-            _check_type(n, flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags(n, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
+                     "fp8_dpa", "fp8_mha")
 
 
 @dataclass(frozen=True)
@@ -285,8 +287,7 @@ class CustomRecipe(Recipe):
             raise ValueError(
                 f"CustomRecipe.qfactory must be a callable role -> Quantizer, got {self.qfactory!r}"
             )
-        for flag in ("fp8_dpa", "fp8_mha"):
-            _check_type("CustomRecipe", flag, getattr(self, flag), (bool,), "a bool")
+        _check_flags("CustomRecipe", self, "fp8_dpa", "fp8_mha")
 
 
 # Recipe classes by the name a config file uses.
