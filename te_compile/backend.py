@@ -6,7 +6,6 @@ import logging
 import os
 from typing import Callable, Optional, Sequence, Union
 
-import torch
 import torch.fx as fx
 
 from .config import TeConfig, load_config, resolve_config

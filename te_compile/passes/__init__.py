@@ -11,15 +11,12 @@ import torch.fx as fx
 from ..config import TeConfig
 from ..lowerings.fp8_linear import LinearLowering, LinearSpec
 from ..report import SiteRecord
-from ..state import STATE_ROLES, state_for
+from ..state import state_for
 from .eligibility import linear_ineligibility, shape_str
 from .rewrite_linear import add_state_inputs, rewrite_linear
 from .sites import find_linear_sites
 
 __all__ = ["run_passes", "PassResult", "StateInput"]
-
-# (amax_history, scale) per role: the tensors of one weight's LinearState, in its order.
-STATE_TENSORS = tuple((role, f) for role in STATE_ROLES for f in ("amax_history", "scale"))
 
 
 @dataclass(frozen=True)
@@ -45,19 +42,15 @@ class PassResult:
         return out
 
 
-def _parameter_placeholders(gm: fx.GraphModule, example_inputs: Sequence) -> dict[fx.Node, torch.Tensor]:
-    """Placeholder node -> the nn.Parameter it receives (Dynamo passes parameters as inputs)."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    return {
+def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
+                     graph_id: int, result: PassResult) -> int:
+    placeholders = list(gm.graph.find_nodes(op="placeholder"))
+    input_index = {node: i for i, node in enumerate(placeholders)}
+    # Dynamo passes parameters as graph inputs: placeholder -> the nn.Parameter it receives.
+    params = {
         node: value for node, value in zip(placeholders, example_inputs)
         if isinstance(value, torch.nn.Parameter)
     }
-
-
-def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-                     graph_id: int, result: PassResult) -> int:
-    params = _parameter_placeholders(gm, example_inputs)
-    input_index = {n: i for i, n in enumerate(n for n in gm.graph.nodes if n.op == "placeholder")}
     records = result.records
     state_nodes_of: dict[fx.Node, list[fx.Node]] = {}  # weight -> its state inputs (one set per weight)
     count = 0
@@ -80,9 +73,10 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
         if recipe.delayed():
             if site.weight not in state_nodes_of:
                 state = StateInput(input_index[site.weight], recipe.amax_history_len, site.fqn or "<root>")
-                state_for(weight, state.history_len, state.where)  # created now; validates the length
+                # Created now (validating the length); the wrapper passes its tensors at each call.
+                tensors = state_for(weight, state.history_len, state.where).tensors()
                 result.state_inputs.append(state)
-                state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(STATE_TENSORS))
+                state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(tensors))
             state_nodes = state_nodes_of[site.weight]
         count += rewrite_linear(gm, site, lowering, state_nodes)
         how = f"{site.op_name} -> FP8 ({why})"
