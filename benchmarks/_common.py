@@ -202,3 +202,41 @@ def run_provider(provider: Provider, build: Callable, device: torch.device,
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, None, f"failed: {type(e).__name__}: {msg[:120]}"
     return first, median, provider.note
+
+
+def parse_sizes(text: str, form: str) -> list[tuple[int, int, int]]:
+    """"64x128x256,..." -> [(64, 128, 256), ...]; ``form`` names the dims for errors ("MxKxN")."""
+    sizes = []
+    for item in text.split(","):
+        parts = item.lower().split("x")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+            raise SystemExit(f"--sizes: expected {form}[,{form}...], got {item!r}")
+        sizes.append(tuple(int(p) for p in parts))
+    return sizes
+
+
+def compare(cases, device: torch.device, args: argparse.Namespace, ms_digits: int) -> list[Row]:
+    """Run every provider on every case, printing each median as it comes.
+
+    cases: (size label, FLOPs per step, builder for run_provider). Speedups are against the
+    "inductor" provider of the same case.
+    """
+    rows = []
+    for size, flops, build in cases:
+        baseline = None
+        for provider in providers(device):
+            first, median, note = run_provider(provider, build, device, args)
+            if provider.name == "inductor":
+                baseline = median
+            rows.append(make_row(size, provider, first, median, flops, baseline, args, note))
+            print(f"  {size:>16}  {provider.name:<24} "
+                  f"{'n/a' if median is None else f'{median * 1e3:.{ms_digits}f} ms'}", flush=True)
+    return rows
+
+
+def finish(rows: list[Row], bench: str, device: torch.device, args: argparse.Namespace) -> None:
+    """Print the table and write the JSON file if one was asked for."""
+    print()
+    print_table(rows)
+    if args.json:
+        write_json(args.json, bench, device, args, rows)

@@ -23,16 +23,6 @@ CPU_SIZES = "8x64x128,8x128x256"
 CUDA_SIZES = "8x1024x1024,4x2048x2048"
 
 
-def _parse_sizes(text: str) -> list[tuple[int, int, int]]:
-    sizes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-            raise SystemExit(f"--sizes: expected BxTxC[,BxTxC...], got {item!r}")
-        sizes.append(tuple(int(p) for p in parts))
-    return sizes
-
-
 def _model(t: int, c: int, layers: int, device: torch.device, dtype: torch.dtype) -> GPT:
     torch.manual_seed(0)
     return GPT(vocab_size=256, n_layer=layers, n_head=max(4, c // 128), n_embd=c,
@@ -74,30 +64,16 @@ def main() -> None:
     device = _common.resolve_device(args)
     dtype = _common.baseline_dtype(device)
     layers = args.layers or (4 if device.type == "cuda" else 2)
-    sizes = _parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES))
+    sizes = _common.parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES), "BxTxC")
 
     print(f"bench_block: GPT training step (fwd + bwd + AdamW), {layers} layers, "
           f"{_common.describe_machine(device)}")
     print(f"  {_common.precision_note(device)}")
     print(f"  median of {args.iters} iterations after {args.warmup} warmup; "
           f"FLOPs = 6*linear params*tokens + 12*layers*T*C*tokens\n", flush=True)
-    rows = []
-    for b, t, c in sizes:
-        size = f"{b}x{t}x{c}"
-        flops = _flops(b, t, c, layers, dtype)
-        baseline = None
-        for provider in _common.providers(device):
-            first, median, note = _common.run_provider(
-                provider, _builder(b, t, c, layers, device, dtype), device, args)
-            if provider.name == "inductor":
-                baseline = median
-            rows.append(_common.make_row(size, provider, first, median, flops, baseline, args, note))
-            print(f"  {size:>12}  {provider.name:<24} "
-                  f"{'n/a' if median is None else f'{median * 1e3:.2f} ms'}", flush=True)
-    print()
-    _common.print_table(rows)
-    if args.json:
-        _common.write_json(args.json, "bench_block", device, args, rows)
+    cases = [(f"{b}x{t}x{c}", _flops(b, t, c, layers, dtype), _builder(b, t, c, layers, device, dtype))
+             for b, t, c in sizes]
+    _common.finish(_common.compare(cases, device, args, ms_digits=2), "bench_block", device, args)
 
 
 if __name__ == "__main__":

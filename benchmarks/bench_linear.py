@@ -21,16 +21,6 @@ CPU_SIZES = "256x256x256,512x512x512,1024x1024x1024"
 CUDA_SIZES = "4096x4096x4096,8192x8192x8192,16384x8192x16384"
 
 
-def _parse_sizes(text: str) -> list[tuple[int, int, int]]:
-    sizes = []
-    for item in text.split(","):
-        parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
-            raise SystemExit(f"--sizes: expected MxKxN[,MxKxN...], got {item!r}")
-        sizes.append(tuple(int(p) for p in parts))
-    return sizes
-
-
 def _builder(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype):
     def build(prepare):
         torch.manual_seed(0)
@@ -55,28 +45,14 @@ def main() -> None:
     args = parser.parse_args()
     device = _common.resolve_device(args)
     dtype = _common.baseline_dtype(device)
-    sizes = _parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES))
+    sizes = _common.parse_sizes(args.sizes or (CUDA_SIZES if device.type == "cuda" else CPU_SIZES), "MxKxN")
 
     print(f"bench_linear: nn.Linear forward + backward, {_common.describe_machine(device)}")
     print(f"  {_common.precision_note(device)}")
     print(f"  median of {args.iters} iterations after {args.warmup} warmup; FLOPs = 6*M*K*N\n", flush=True)
-    rows = []
-    for m, k, n in sizes:
-        size = f"{m}x{k}x{n}"
-        flops = 6.0 * m * k * n
-        baseline = None
-        for provider in _common.providers(device):
-            first, median, note = _common.run_provider(
-                provider, _builder(m, k, n, device, dtype), device, args)
-            if provider.name == "inductor":
-                baseline = median
-            rows.append(_common.make_row(size, provider, first, median, flops, baseline, args, note))
-            print(f"  {size:>16}  {provider.name:<24} "
-                  f"{'n/a' if median is None else f'{median * 1e3:.3f} ms'}", flush=True)
-    print()
-    _common.print_table(rows)
-    if args.json:
-        _common.write_json(args.json, "bench_linear", device, args, rows)
+    cases = [(f"{m}x{k}x{n}", 6.0 * m * k * n, _builder(m, k, n, device, dtype))
+             for m, k, n in sizes]
+    _common.finish(_common.compare(cases, device, args, ms_digits=3), "bench_linear", device, args)
 
 
 if __name__ == "__main__":
