@@ -1,0 +1,101 @@
+"""Bit-level float casts for Triton kernels: fp32 -> e4m3fn / e5m2 / e2m1 codes.
+
+Why not ``x.to(tl.float8e4nv)``: the Triton interpreter (TRITON_INTERPRET=1, how the kernels are tested on
+CPU) neither saturates nor rounds correctly in its fp32 -> fp8 conversion (DESIGN.md §6), and E2M1 has no
+Triton dtype at all. These functions round with plain fp32 arithmetic and integer bit operations, which
+the interpreter and the GPU compile the same way, so kernel and reference agree bit for bit on both.
+
+Rounding scheme (any minifloat with M mantissa bits and smallest normal exponent EMIN): scale |v| by the
+power of two that puts its last kept mantissa bit at 2^0, round to an integer with the classic
+``(y + 2^23) - 2^23`` (round-to-nearest-even in fp32 for 0 <= y < 2^23), scale back. Target subnormals
+share the quantum of the smallest normal binade, which the clamp of the exponent gives for free.
+"""
+
+from __future__ import annotations
+
+try:
+    import triton
+    import triton.language as tl
+
+    HAS_TRITON = True
+except ImportError:  # triton ships for linux x86_64 only; everything has a plain-torch fallback
+    HAS_TRITON = False
+
+import torch
+
+__all__ = ["HAS_TRITON", "use_triton"]
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a public quantize function should launch its Triton kernel for ``x``: a real CUDA
+    tensor with triton installed. While torch.compile traces (fake tensors) the plain-torch
+    reference is traced instead and inductor generates the kernel from it; CPU tensors always take
+    the reference (tests call the launchers directly to run them in Triton's interpreter)."""
+    from torch._subclasses.fake_tensor import is_fake
+
+    return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
+
+if HAS_TRITON:
+    __all__ += ["fp32_to_fp8_bits", "round_to_e4m3", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
+
+    @triton.jit
+    def _round_magnitude(a, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
+        """|v| (fp32, not NaN) rounded to the nearest-even value with M_BITS mantissa bits, saturating."""
+        a = tl.minimum(a, MAX)
+        e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF       # biased fp32 exponent of a
+        e = tl.maximum(e, EMIN + 127)                          # subnormals: quantum of the lowest binade
+        # y = a * 2^(M - (e - 127)) has its last kept bit at 2^0; both factors are exact powers of two.
+        up = ((254 + M_BITS - e) << 23).to(tl.float32, bitcast=True)
+        down = ((e - M_BITS) << 23).to(tl.float32, bitcast=True)
+        y = a * up
+        y = (y + 8388608.0) - 8388608.0                        # round half to even at integer precision
+        return y * down
+
+    @triton.jit
+    def _minifloat_bits(v, M_BITS: tl.constexpr, EMIN: tl.constexpr, BIAS: tl.constexpr,
+                        MAX: tl.constexpr, SUB_SCALE: tl.constexpr, SIGN_SHIFT: tl.constexpr,
+                        NAN_CODE: tl.constexpr):
+        """int32 code of the saturating RNE cast of fp32 ``v``; NaN -> NAN_CODE with v's sign."""
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        r = _round_magnitude(tl.abs(v), M_BITS, EMIN, MAX)
+        rb = r.to(tl.int32, bitcast=True)
+        re = (rb >> 23) & 0xFF
+        normal = ((re - 127 + BIAS) << M_BITS) | ((rb >> (23 - M_BITS)) & ((1 << M_BITS) - 1))
+        # below 2^EMIN: r = mantissa * 2^(EMIN - M); SUB_SCALE = 2^(M - EMIN) makes it that integer
+        subnormal = (r * SUB_SCALE).to(tl.int32)
+        code = tl.where(re >= EMIN + 127, normal, subnormal)
+        code = tl.where(v != v, NAN_CODE, code)
+        return code | (sign << SIGN_SHIFT)
+
+    @triton.jit
+    def fp32_to_fp8_bits(v, IS_E4M3: tl.constexpr):
+        """Byte (as int32) of ``v.clamp(-max, max).to(e4m3fn or e5m2)``: saturating, RNE, NaN -> 0x7F|sign."""
+        if IS_E4M3:
+            code = _minifloat_bits(v, 3, -6, 7, 448.0, 512.0, 7, 0x7F)
+        else:
+            code = _minifloat_bits(v, 2, -14, 15, 57344.0, 65536.0, 7, 0x7F)
+        return code
+
+    @triton.jit
+    def round_to_e4m3(v):
+        """fp32 value of the saturating RNE e4m3fn cast of ``v`` (NaN stays NaN)."""
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        r = _round_magnitude(tl.abs(v), 3, -6, 448.0)
+        r = (r.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)  # keeps -0.0
+        return tl.where(v != v, v, r)
+
+    @triton.jit
+    def fp32_to_e2m1_bits(v):
+        """E2M1 code 0..15 of ``v`` (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; sign in bit 3): saturating at
+        ±6, round half to even; E2M1 has no NaN, so NaN -> 7 (|6|) with v's sign."""
+        return _minifloat_bits(v, 1, 0, 1, 6.0, 2.0, 3, 0x7)
+
+    @triton.jit
+    def e2m1_bits_to_fp32(code):
+        """fp32 value of an E2M1 code (int32 0..15)."""
+        mag = code & 7
+        # codes 0, 1: 0 and 0.5 (subnormal); 2..7: 2^((mag >> 1) - 1) * (1 + (mag & 1) / 2)
+        exp_bits = ((mag >> 1) - 1 + 127) << 23
+        normal = exp_bits.to(tl.float32, bitcast=True) * (1.0 + (mag & 1).to(tl.float32) * 0.5)
+        value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
+        return tl.where((code & 8) != 0, -value, value)
