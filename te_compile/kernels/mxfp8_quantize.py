@@ -1,0 +1,179 @@
+"""MXFP8 quantization: blocks of 32 along the last dim, one shared E8M0 exponent per block (DESIGN.md §5).
+
+Per block of 32 consecutive elements of a row (the last block of a row may be partial):
+    amax  = max|x| in fp32 (NaN counts as inf)
+    val   = amax / fp8_max (fp32 true division)
+    code  = the biased fp32 exponent of val, rounded UP unless val is an exact power of two, so that
+            |x| * 2^(127 - code) <= fp8_max and nothing clips (TransformerEngine's float_to_e8m0 rule);
+            amax 0 -> code 0; amax inf/NaN -> code 255 (E8M0 NaN) and the whole block becomes fp8 NaN
+    data  = saturating round-to-nearest-even fp8 cast of x * 2^(127 - code)
+Code c stands for scale_inv = 2^(c - 127): dequantize is ``fp8 value * 2^(c - 127)``.
+
+The exponent comes from bit operations on val: torch's ``.to(torch.float8_e8m0fnu)`` rounds to the
+nearest power of two, which would clip blocks whose amax sits just above a power of two times fp8_max.
+Only rowwise blocks live here; a columnwise copy is ``mxfp8_quantize(x.t().contiguous())`` transposed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ._fp_bits import HAS_TRITON, use_triton
+
+__all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton"]
+
+MXFP8_BLOCK = 32
+
+_FP8_MAX = {
+    torch.float8_e4m3fn: 448.0,
+    torch.float8_e5m2: 57344.0,
+}
+
+# Byte of a block whose amax is inf or NaN: the positive NaN of e4m3fn (0x7F) and of e5m2 (0x7F, a
+# quiet NaN), what torch and the GPU's saturating cast give for a positive NaN.
+_FP8_NAN = 0x7F
+
+# Tile of the Triton kernel: [_BLOCK_M rows, _BLOCK_K columns] = _BLOCK_K // 32 scale blocks per row.
+_BLOCK_M = 32
+_BLOCK_K = 128
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from te_compile.kernels._fp_bits import fp32_to_fp8_bits
+
+    @triton.jit
+    def _mxfp8_quantize_kernel(
+        x_ptr,  # [M, K] fp32 / bf16 / fp16, row stride stride_xm, unit column stride
+        data_ptr,  # [M, K] uint8 out: fp8 bytes, contiguous
+        scale_ptr,  # [M, n_blocks] uint8 out: E8M0 codes, contiguous
+        M,
+        K,
+        n_blocks,  # ceil(K / 32)
+        stride_xm,
+        FP8_MAX: tl.constexpr,
+        FP8_NAN: tl.constexpr,
+        IS_E4M3: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        MX_BLOCK: tl.constexpr,
+    ):
+        BLOCKS_PER_TILE: tl.constexpr = BLOCK_K // MX_BLOCK
+        # int64: row * stride reaches past 2^31 for large activations
+        pid_m = tl.program_id(0).to(tl.int64)
+        pid_k = tl.program_id(1).to(tl.int64)
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+        cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # [BLOCK_K]
+        mask = (rows[:, None] < M) & (cols[None, :] < K)  # [BLOCK_M, BLOCK_K]
+        # zeros outside the tensor leave a ragged last block's amax unchanged
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
+        x = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK))
+
+        # NaN -> inf before the max: GPU max reductions may drop NaNs; either way the code is 255.
+        mag = tl.where(x != x, float("inf"), tl.abs(x))
+        amax = tl.max(mag, axis=2)  # [BLOCK_M, BLOCKS_PER_TILE]
+        # IEEE round-to-nearest division: plain `/` on fp32 compiles to an approximate divide on GPUs
+        val = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
+        bits = val.to(tl.int32, bitcast=True)
+        exp = (bits >> 23) & 0xFF
+        man = bits & 0x7FFFFF
+        # round the exponent up unless val is a power of two; 254 never rounds into 255 (NaN);
+        # a subnormal val <= 2^-127 keeps code 0 (the smallest scale).
+        round_up = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+        code = tl.where(exp == 0xFF, 255, exp + round_up.to(tl.int32))  # [BLOCK_M, BLOCKS_PER_TILE]
+
+        # 2^(127 - code) from its exponent bits: exact for codes 0..253 (finite amaxes give <= 247);
+        # code 255 gives -inf and its bytes are replaced below
+        inv_scale = ((254 - code) << 23).to(tl.float32, bitcast=True)
+        q = fp32_to_fp8_bits(x * inv_scale[:, :, None], IS_E4M3)  # [BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK]
+        q = tl.where((code == 255)[:, :, None], FP8_NAN, q)
+        q = tl.reshape(q, (BLOCK_M, BLOCK_K))
+        tl.store(data_ptr + rows[:, None] * K + cols[None, :], q.to(tl.uint8), mask=mask)
+
+        sblocks = pid_k * BLOCKS_PER_TILE + tl.arange(0, BLOCKS_PER_TILE)  # [BLOCKS_PER_TILE]
+        smask = (rows[:, None] < M) & (sblocks[None, :] < n_blocks)
+        tl.store(scale_ptr + rows[:, None] * n_blocks + sblocks[None, :], code.to(tl.uint8), mask=smask)
+
+
+def _validate(x: torch.Tensor, fp8_dtype: torch.dtype) -> float:
+    """fp8_max of ``fp8_dtype`` after checking the arguments."""
+    if fp8_dtype not in _FP8_MAX:
+        raise ValueError(f"fp8_dtype must be one of {list(_FP8_MAX)}, got {fp8_dtype!r}")
+    if not isinstance(x, torch.Tensor) or x.dim() != 2:
+        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"x must be a 2-D tensor [M, K], got {shape}")
+    if not x.is_floating_point():
+        raise ValueError(f"x must be a floating-point tensor (fp32, bf16 or fp16), got {x.dtype}")
+    return _FP8_MAX[fp8_dtype]
+
+
+def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch MXFP8 quantize of x: [M, K] -> (data: uint8 [M, K] fp8 bytes, scale: uint8
+    [M, ceil(K/32)] E8M0 codes). Traceable (no host sync, no branches on values): compiled graphs run it."""
+    limit = _validate(x, fp8_dtype)
+    m, k = x.shape
+    n_blocks = -(-k // MXFP8_BLOCK)
+    # padded: [M, n_blocks, 32]; the zero padding of a ragged last block does not change its amax
+    padded = F.pad(x.to(torch.float32), (0, n_blocks * MXFP8_BLOCK - k)).reshape(m, n_blocks, MXFP8_BLOCK)
+    mag = padded.abs()
+    amax = torch.where(torch.isnan(mag), torch.full_like(mag, float("inf")), mag).amax(dim=-1)
+    # true IEEE division (a Python scalar divisor may become a reciprocal multiply, DESIGN.md §6)
+    val = torch.div(amax, torch.full_like(amax, limit))  # [M, n_blocks]
+    bits = val.view(torch.int32)
+    exp = (bits >> 23) & 0xFF
+    man = bits & 0x7FFFFF
+    round_up = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
+    code = torch.where(exp == 0xFF, torch.full_like(exp, 255), exp + round_up.to(torch.int32))
+
+    inv_scale = ((254 - code) << 23).view(torch.float32)  # 2^(127 - code); garbage for code 255
+    # per-element [M, K] block values by gather. Expanding to [M, n_blocks * 32] and slicing to K
+    # instead miscompiles in inductor (torch 2.13 CPU leaves the ragged tail of the output unwritten).
+    block_of_col = torch.arange(k, device=x.device) // MXFP8_BLOCK  # [K]
+    inv_scale = inv_scale[:, block_of_col]
+    nan_block = (code == 255)[:, block_of_col]
+    data = (x.to(torch.float32) * inv_scale).clamp(-limit, limit).to(fp8_dtype).view(torch.uint8)
+    # NaN blocks get the positive NaN byte directly: a NaN's sign does not survive inductor's clamp+cast
+    data = torch.where(nan_block, torch.full_like(data, _FP8_NAN), data)
+    return data, code.to(torch.uint8)
+
+
+def mxfp8_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    limit = _validate(x, fp8_dtype)
+    if not HAS_TRITON:
+        raise RuntimeError("mxfp8_quantize_triton needs triton, which is not installed")
+    m, k = x.shape
+    n_blocks = -(-k // MXFP8_BLOCK)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((m, n_blocks), dtype=torch.uint8, device=x.device)
+    if m == 0 or k == 0:
+        return data, scale
+    grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(k, _BLOCK_K))
+    _mxfp8_quantize_kernel[grid](
+        x,
+        data,
+        scale,
+        m,
+        k,
+        n_blocks,
+        x.stride(0),
+        FP8_MAX=limit,
+        FP8_NAN=_FP8_NAN,
+        IS_E4M3=fp8_dtype == torch.float8_e4m3fn,
+        BLOCK_M=_BLOCK_M,
+        BLOCK_K=_BLOCK_K,
+        MX_BLOCK=MXFP8_BLOCK,
+    )
+    return data, scale
+
+
+def mxfp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """MXFP8 quantize x: [M, K] -> (uint8 fp8 bytes [M, K], uint8 E8M0 codes [M, ceil(K/32)]):
+    the Triton kernel for CUDA tensors when triton is installed, the reference otherwise."""
+    if use_triton(x):
+        return mxfp8_quantize_triton(x, fp8_dtype)
+    return mxfp8_quantize_reference(x, fp8_dtype)
