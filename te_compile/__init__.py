@@ -1,6 +1,6 @@
 """te_compile: a torch.compile backend for TransformerEngine-style FP8/FP4 training.
 
-``torch.compile(model, backend="te")`` rewrites the linear layers of an unchanged model into FP8
+``torch.compile(model, backend="te")`` rewrites the linear layers of an unchanged model into FP8 / FP4
 GEMMs under the recipe chosen in ``te_compile.toml``. The quantizers and quantized tensors it is
 built on are usable eagerly on their own (``te_compile.tensor``).
 """
@@ -19,9 +19,15 @@ from .hardware import (
     is_nvfp4_available,
 )
 from .tensor import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
     Float8CurrentScalingQuantizer,
     Float8Quantizer,
     Float8Tensor,
+    MXFP8Quantizer,
+    MXFP8Tensor,
+    NVFP4Quantizer,
+    NVFP4Tensor,
     QuantizedTensor,
     QuantizedTensorStorage,
     Quantizer,
@@ -54,6 +60,12 @@ __all__ = [
     "Float8Quantizer",
     "Float8CurrentScalingQuantizer",
     "Float8Tensor",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
     # hardware probes
     "get_device_compute_capability",
     "is_bf16_available",

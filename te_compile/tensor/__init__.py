@@ -1,7 +1,15 @@
 """Quantized tensors and quantizers, usable eagerly (CPU and CUDA) and under torch.compile."""
 
+from .block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, BlockScaledTensorStorage
+from .float8_blockwise_tensor import (
+    Float8BlockQuantizer,
+    Float8BlockwiseQTensor,
+    Float8BlockwiseQTensorStorage,
+)
 from .float8_quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
 from .float8_tensor import Float8Tensor, Float8TensorStorage
+from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
+from .nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .quantized_tensor import (
     QuantizedTensor,
     QuantizedTensorStorage,
@@ -22,4 +30,17 @@ __all__ = [
     "Float8CurrentScalingQuantizer",
     "Float8Tensor",
     "Float8TensorStorage",
+    # block-scaled formats
+    "BlockScaledQuantizer",
+    "BlockScaledTensor",
+    "BlockScaledTensorStorage",
+    "MXFP8Quantizer",
+    "MXFP8Tensor",
+    "MXFP8TensorStorage",
+    "Float8BlockQuantizer",
+    "Float8BlockwiseQTensor",
+    "Float8BlockwiseQTensorStorage",
+    "NVFP4Quantizer",
+    "NVFP4Tensor",
+    "NVFP4TensorStorage",
 ]

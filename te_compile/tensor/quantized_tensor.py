@@ -197,9 +197,11 @@ class QuantizedTensor(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         for t in types:
-            handler = _HANDLERS.get(t, {}).get(func)
-            if handler is not None:
-                return handler(func, args, kwargs)
+            # a rule registered on a base class (e.g. BlockScaledTensor) serves its subclasses
+            for klass in t.__mro__:
+                handler = _HANDLERS.get(klass, {}).get(func)
+                if handler is not None:
+                    return handler(func, args, kwargs)
         # No quantized rule: compute on dequantized values.
         result = func(*tree_map(_dequantize_arg, args), **tree_map(_dequantize_arg, kwargs))
         if func._schema.is_mutable and args and isinstance(args[0], QuantizedTensor):
