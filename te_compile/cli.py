@@ -71,18 +71,6 @@ def _recipe_label(te: Callable) -> str:
     return f"{name} (config: {config.source})"
 
 
-def _unsupported_reason(exc: BaseException) -> Optional[str]:
-    """The message of a NotImplementedError anywhere in ``exc``'s chain (torch.compile wraps the
-    backend's exceptions), i.e. a recipe the backend does not support yet."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, NotImplementedError):
-            return str(exc)
-        exc = exc.__cause__ or exc.__context__
-    return None
-
-
 def _first_tensor(out: Any) -> Optional[torch.Tensor]:
     """The tensor to backpropagate from a model's output: a tensor, ``.loss`` / ``.logits`` of an HF
     output, or the first floating tensor of a tuple/list/dict."""
@@ -289,15 +277,8 @@ def _demo(args: argparse.Namespace) -> int:
         torch.manual_seed(args.seed)  # identical initial weights for both runs
         model: GPT = factory().to(device=device, dtype=dtype)
         compiled = torch.compile(model, backend=backend_fn)
-        try:
-            result = _train(label.ljust(width), compiled, model.parameters(), batches, args.lr,
-                            tokens_per_step, device, out)
-        except Exception as e:
-            reason = _unsupported_reason(e)
-            if reason is None:
-                raise
-            out.write("\n")
-            raise UsageError(f"the te backend cannot run this recipe: {reason}") from None
+        result = _train(label.ljust(width), compiled, model.parameters(), batches, args.lr,
+                        tokens_per_step, device, out)
         result.label = label
         result.saved_bytes = _saved_for_backward_bytes(compiled, *batches[0])
         results[label] = result
@@ -454,16 +435,10 @@ def _report(args: argparse.Namespace) -> int:
     print(f"  recipe: {_recipe_label(te)}; dry run with compiler aot_eager (no inductor codegen)")
     reset()
     compiled = torch.compile(model, backend=te)
-    try:
-        out = _call(compiled, example)
-        target = _first_tensor(out)
-        if target is not None and target.requires_grad:
-            target.float().square().mean().backward()  # runs the compiled backward too
-    except Exception as e:
-        reason = _unsupported_reason(e)
-        if reason is None:
-            raise
-        raise UsageError(f"the te backend cannot run this recipe: {reason}") from None
+    out = _call(compiled, example)
+    target = _first_tensor(out)
+    if target is not None and target.requires_grad:
+        target.float().square().mean().backward()  # runs the compiled backward too
     rep = te_report()
     print()
     print(rep)

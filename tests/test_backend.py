@@ -135,10 +135,10 @@ def mixed_report():
     "fqn, rewritten, reason",
     [
         ("odd_in", False, "in_features (K)=20 is not divisible by 16"),
-        ("body", True, "linear -> FP8 (global)"),
+        ("body", True, "linear -> FP8 GEMMs (torch._scaled_mm) (global)"),
         ("odd_out", False, "out_features (N)=10 is not divisible by 16"),
         ("head", False, "recipe 'none' (override 'head')"),
-        ("", True, "matmul -> FP8"),
+        ("", True, "matmul -> FP8 GEMMs"),
     ],
 )
 def test_fallback_reasons(mixed_report, fqn, rewritten, reason):
@@ -166,13 +166,6 @@ def test_dynamic_shapes_one_graph_for_all_lengths():
     assert len(report.rewritten) == 2 * LINEARS_PER_BLOCK + 1
     assert all("s" in s.shapes.split("]")[0] for s in report.sites), [s.shapes for s in report.sites]
     assert counters["stats"]["unique_graphs"] == 1
-
-
-def test_unsupported_recipe_says_not_yet():
-    torch._dynamo.reset()
-    compiled = torch.compile(nn.Linear(32, 32), backend="te", options={"recipe": "MXFP8BlockScaling"})
-    with pytest.raises(Exception, match="MXFP8BlockScaling is not supported by the te backend yet"):
-        compiled(torch.randn(2, 32))
 
 
 def test_bad_option_names_key_and_allowed_values():

@@ -109,14 +109,6 @@ def test_bad_recipe_name_exits_2(capsys):
     assert "unknown recipe 'Float8CurentScaling'" in err and "did you mean 'Float8CurrentScaling'" in err
 
 
-def test_unsupported_recipe_exits_2_with_the_reason(capsys):
-    argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "1",
-            "--recipe", "MXFP8BlockScaling"]
-    assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert "not supported by the te backend yet" in err, err
-
-
 def test_plot_without_matplotlib_exits_2_before_training(monkeypatch, capsys):
     # None in sys.modules makes "import matplotlib..." raise ImportError
     monkeypatch.setitem(sys.modules, "matplotlib", None)

@@ -1,8 +1,7 @@
-"""FP8 linear layers with autograd: what a rewritten linear site calls.
+"""Per-tensor FP8 linear (current and delayed scaling) as an autograd.Function.
 
-The backend replaces ``linear(x, w, b)`` (or ``addmm(b, x, w)`` with ``w: [in, out]``) by a call to a
-``LinearLowering``. It is plain Python around ``torch.autograd.Function``s, so aot_autograd traces
-its forward and backward and inductor fuses the amax / scale / cast ops into neighbouring kernels.
+aot_autograd traces its forward and backward and inductor fuses the amax / scale / cast ops into
+neighbouring kernels; the GEMMs are torch._scaled_mm (te_compile.lowerings.gemm.fp8_gemm).
 
 GEMMs (HYBRID: E4M3 forward tensors, E5M2 gradients; all E4M3 for the E4M3 format):
 - fprop  y  = x  @ w.T   : x  [M, K] E4M3 (row-major),  w  [N, K] E4M3 (as column-major [K, N])
@@ -14,13 +13,9 @@ Bias and its gradient stay in high precision.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
-
 import torch
 
-from ..recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling, Recipe
-from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
+from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..tensor.scaling import (
     cast_to_fp8,
     compute_scale,
@@ -30,18 +25,9 @@ from ..tensor.scaling import (
 )
 from .gemm import fp8_gemm
 
-__all__ = ["LinearSpec", "LinearLowering", "SUPPORTED_RECIPES"]
+__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES"]
 
-SUPPORTED_RECIPES = (Float8CurrentScaling, DelayedScaling, CustomRecipe)
-
-
-@dataclass(frozen=True)
-class LinearSpec:
-    """Everything about a site the lowering needs that is not a tensor."""
-
-    fqn: str
-    recipe: Recipe
-    weight_in_out: bool = False   # weight stored [in, out] (GPT-2 Conv1D / addmm) not [out, in]
+PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
 
 
 def _quantize_per_tensor(t, role, recipe, state):
@@ -80,7 +66,7 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
-class _Fp8Linear(torch.autograd.Function):
+class Fp8LinearFunction(torch.autograd.Function):
     """Per-tensor FP8 (current or delayed scaling). x2d: [M, K], w_nk: [N, K].
 
     Delayed-scaling state (per role (amax_history, scale) for input, weight, grad_output, in the
@@ -125,75 +111,3 @@ class _Fp8Linear(torch.autograd.Function):
             _update_state(state[2:4], w_amax, "weight", recipe)
             _update_state(state[4:6], g_amax, "grad_output", recipe)
         return (dx, dw, None, None) + (None,) * len(state)
-
-
-class _CustomLinear(torch.autograd.Function):
-    """CustomRecipe: quantizers from ``qfactory(role)``; GEMMs on dequantized values in fp32 (or
-    the quantizer's own ``qgemm`` for fprop). x2d: [M, K], w_nk: [N, K]."""
-
-    @staticmethod
-    def forward(ctx, x2d, w_nk, recipe):
-        x_quantizer = recipe.qfactory("input")
-        qx = x_quantizer.quantize(x2d)
-        qw = recipe.qfactory("weight").quantize(w_nk)
-        if hasattr(x_quantizer, "qgemm"):
-            y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
-        else:
-            y = (qx.dequantize(dtype=torch.float32) @ qw.dequantize(dtype=torch.float32).t()).to(x2d.dtype)
-        tensors, ctx.objects = prepare_for_saving(qx, qw)
-        ctx.save_for_backward(*tensors)
-        ctx.recipe = recipe
-        ctx.dtypes = (x2d.dtype, w_nk.dtype)
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        qx, qw = restore_from_saved(ctx.objects, ctx.saved_tensors)
-        x_dtype, w_dtype = ctx.dtypes
-        g = ctx.recipe.qfactory("grad_output").quantize(grad_y).dequantize(dtype=torch.float32)
-        dx = dw = None
-        if ctx.needs_input_grad[0]:
-            dx = (g @ qw.dequantize(dtype=torch.float32)).to(x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = (g.t() @ qx.dequantize(dtype=torch.float32)).to(w_dtype)
-        return dx, dw, None
-
-
-class LinearLowering:
-    """Callable inserted into the FX graph for one site: ``(x, weight, bias, *state) -> y``.
-
-    x: [..., K]; weight: [N, K] (or [K, N] when ``spec.weight_in_out``); bias: [N] or None;
-    state: the delayed-scaling tensors of the site (empty otherwise). Returns [..., N].
-    """
-
-    def __init__(self, spec: LinearSpec) -> None:
-        if not isinstance(spec.recipe, SUPPORTED_RECIPES):
-            raise NotImplementedError(
-                f"{spec.fqn}: recipe {spec.recipe.name} is not supported by the te backend yet "
-                f"(supported now: {[r.__name__ for r in SUPPORTED_RECIPES]}); keep it in high "
-                f"precision with an override (recipe = \"none\") or pick a supported recipe"
-            )
-        self.spec = spec
-        # FX codegen names the call after these.
-        self.__name__ = f"te_fp8_linear_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
-
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 *state: torch.Tensor) -> torch.Tensor:
-        k = x.shape[-1]
-        x2d = x.reshape(-1, k)
-        w_nk = weight.t() if self.spec.weight_in_out else weight
-        recipe = self.spec.recipe
-        if isinstance(recipe, CustomRecipe):
-            y = _CustomLinear.apply(x2d, w_nk, recipe)
-        else:
-            # A backward will run (and update the state) only if autograd records this call.
-            backward_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            y = _Fp8Linear.apply(x2d, w_nk, recipe, not backward_follows, *state)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], w_nk.shape[0])
-
-    def __repr__(self) -> str:
-        return f"LinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

@@ -1,4 +1,5 @@
-"""Per-tensor scaled FP8 GEMM: torch._scaled_mm where the device has it, exact emulation elsewhere."""
+"""GEMMs on quantized operands: per-tensor FP8 through torch._scaled_mm where the device has it (exact
+emulation elsewhere), and the dequantize-then-matmul emulation for the block-scaled formats."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import torch.nn.functional as F
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "uses_native_fp8_gemm"]
+__all__ = ["fp8_gemm", "uses_native_fp8_gemm", "dequantized_gemm"]
 
 # cuBLASLt FP8 GEMMs need the contraction dim and the output columns in multiples of 16.
 _CUDA_ALIGN = 16
@@ -43,3 +44,15 @@ def fp8_gemm(
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+
+
+def dequantized_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """op(a) @ op(b) of two quantized tensors (any format) by dequantizing both to fp32.
+
+    a, b: QuantizedTensorStorage (2-D); op transposes when asked. This is the emulation used where
+    a format has no native GEMM wired in: exact dequantization, one fp32 matmul, one final cast.
+    """
+    a32 = a.dequantize(dtype=torch.float32)
+    b32 = b.dequantize(dtype=torch.float32)
+    return ((a32.t() if transpose_a else a32) @ (b32.t() if transpose_b else b32)).to(out_dtype)

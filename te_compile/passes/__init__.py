@@ -9,7 +9,7 @@ import torch
 import torch.fx as fx
 
 from ..config import TeConfig
-from ..lowerings.fp8_linear import LinearLowering, LinearSpec
+from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..report import SiteRecord
 from ..state import state_for
 from .eligibility import linear_ineligibility, shape_str
@@ -79,7 +79,7 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
                 state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(tensors))
             state_nodes = state_nodes_of[site.weight]
         count += rewrite_linear(gm, site, lowering, state_nodes)
-        how = f"{site.op_name} -> FP8 ({why})"
+        how = f"{site.op_name} -> {gemm_kind(recipe)} ({why})"
         records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))
     return count
 

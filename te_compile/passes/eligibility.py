@@ -14,8 +14,15 @@ __all__ = ["linear_ineligibility", "shape_str"]
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
-# Per-tensor FP8 GEMMs (cuBLASLt) need K and N in multiples of 16.
-_PER_TENSOR_ALIGN = 16
+# Multiple that K and N must be of, per recipe, and why. FP8 GEMMs (cuBLASLt) need 16; MXFP8's
+# blocks are 32 long in both directions of the weight (rowwise for fprop, columnwise for dgrad);
+# NVFP4's are 16. Float8 block scaling quantizes ragged 128-blocks as partial blocks, so it needs
+# only the GEMM alignment.
+_ALIGN = {
+    "MXFP8BlockScaling": (32, "MXFP8 scales blocks of 32 along K and N"),
+    "NVFP4BlockScaling": (16, "NVFP4 scales blocks of 16 along K and N"),
+}
+_DEFAULT_ALIGN = (16, "FP8 GEMMs need K and N % 16 == 0")
 
 
 def _value(node) -> Optional[torch.Tensor]:
@@ -54,11 +61,13 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe, weight_is_param: bool
         return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in _FLOAT_DTYPES]}"
     if x.device.type not in _DEVICES:
         return f"device {x.device.type!r} is not supported (supported: {list(_DEVICES)})"
+    if recipe.nvfp4() and x.dim() < 2:
+        return f"NVFP4 needs an input of at least 2 dims, got {x.dim()}-D"
     n, k = (w.shape[1], w.shape[0]) if site.weight_in_out else (w.shape[0], w.shape[1])
+    align, why = _ALIGN.get(recipe.name, _DEFAULT_ALIGN)
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
-        if not _divisible(dim, _PER_TENSOR_ALIGN):
-            return (f"{name}={dim} is not divisible by {_PER_TENSOR_ALIGN} "
-                    f"(per-tensor FP8 GEMMs need K and N % {_PER_TENSOR_ALIGN} == 0)")
+        if not _divisible(dim, align):
+            return f"{name}={dim} is not divisible by {align} ({why})"
     if recipe.delayed() and not weight_is_param:
         return ("DelayedScaling keeps its state per weight parameter; this weight is computed "
                 "in the graph")

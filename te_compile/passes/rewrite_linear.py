@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.fx as fx
 
-from ..lowerings.fp8_linear import LinearLowering
+from ..lowerings.linear import LinearLowering
 from .sites import LinearSite
 
 __all__ = ["rewrite_linear", "add_state_inputs"]

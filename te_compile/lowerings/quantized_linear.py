@@ -1,0 +1,79 @@
+"""Linear layers on quantizer objects: the block-scaled recipes (MXFP8, Float8 block, NVFP4) and
+CustomRecipe. x2d: [M, K], w_nk: [N, K].
+
+Every GEMM gets each operand in the copy whose blocks run along that GEMM's contraction dim:
+- fprop  y  = x @ w.T  : x rowwise (blocks along K), w rowwise (along K)
+- dgrad  dx = g @ w    : g rowwise (along N),        w columnwise (along N)
+- wgrad  dw = g.T @ x  : g columnwise (along M),     x columnwise (along M)
+The forward quantizes the columnwise copies of x and w and saves only those (the quantized bytes,
+not the high-precision tensors). Columnwise operands get their token dim M padded with zero rows to
+a multiple of 16 (NVFP4's block): zero rows change no block amax and add nothing to dw.
+
+GEMMs dequantize both operands to fp32 and multiply (te_compile.lowerings.gemm.dequantized_gemm):
+no device here has native block-scaled GEMMs wired in yet, and the report says "emulated GEMM".
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from ..tensor.quantized_tensor import Quantizer, prepare_for_saving, restore_from_saved
+from .gemm import dequantized_gemm
+
+__all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
+
+# NVFP4's columnwise blocks run along M in groups of 16; the other formats accept any M.
+COLUMNWISE_ROW_MULTIPLE = 16
+
+
+def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, columnwise: bool):
+    """One copy (rowwise or columnwise) of ``t`` quantized by ``factory(role)``, as a storage object."""
+    quantizer = factory(role).copy()
+    quantizer.set_usage(rowwise=not columnwise, columnwise=columnwise)
+    quantizer.internal = True
+    return quantizer.quantize(t)
+
+
+def _pad_rows(t: torch.Tensor) -> torch.Tensor:
+    pad = (-t.shape[0]) % COLUMNWISE_ROW_MULTIPLE
+    return F.pad(t, (0, 0, 0, pad)) if pad else t
+
+
+class QuantizedLinearFunction(torch.autograd.Function):
+    """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``."""
+
+    @staticmethod
+    def forward(ctx, x2d, w_nk, factory):
+        qx = _quantize(factory, "input", x2d, columnwise=False)
+        qw = _quantize(factory, "weight", w_nk, columnwise=False)
+        x_quantizer = factory("input")
+        if hasattr(x_quantizer, "qgemm"):  # a custom recipe may bring its own GEMM
+            y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
+        else:
+            y = dequantized_gemm(qx, qw, transpose_b=True, out_dtype=x2d.dtype)
+        # Backward operands: x along M for wgrad, w along N for dgrad; None when not needed.
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qx_col = _quantize(factory, "input", _pad_rows(x2d), columnwise=True) if needs_dw else None
+        qw_col = _quantize(factory, "weight", w_nk, columnwise=True) if needs_dx else None
+        tensors, ctx.objects = prepare_for_saving(qx_col, qw_col)
+        ctx.save_for_backward(*tensors)
+        ctx.factory = factory
+        ctx.dtypes = (x2d.dtype, w_nk.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        qx_col, qw_col = restore_from_saved(ctx.objects, ctx.saved_tensors)
+        x_dtype, w_dtype = ctx.dtypes
+        factory = ctx.factory
+        dx = dw = None
+        if ctx.needs_input_grad[0]:
+            qg = _quantize(factory, "grad_output", grad_y, columnwise=False)
+            dx = dequantized_gemm(qg, qw_col, out_dtype=x_dtype)
+        if ctx.needs_input_grad[1]:
+            qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), columnwise=True)
+            dw = dequantized_gemm(qg_col, qx_col, transpose_a=True, out_dtype=w_dtype)
+        return dx, dw, None
