@@ -36,6 +36,10 @@ TE_RECIPES = {
     "DelayedScaling": {"amax_history_len": 16},
     "CustomRecipe": {"qfactory": "te_compile.custom_recipes.quantization_current_scaling:"
                                  "current_scaling_ref_quantizer_factory"},
+    # block-scaled recipes: emulated GEMMs (dequantize-then-matmul) on every device for now
+    "MXFP8BlockScaling": {},
+    "Float8BlockScaling": {},
+    "NVFP4BlockScaling": {},
 }
 
 
@@ -204,12 +208,14 @@ def run_provider(provider: Provider, build: Callable, device: torch.device,
     return first, median, provider.note
 
 
-def parse_sizes(text: str, form: str) -> list[tuple[int, int, int]]:
-    """"64x128x256,..." -> [(64, 128, 256), ...]; ``form`` names the dims for errors ("MxKxN")."""
+def parse_sizes(text: str, form: str) -> list[tuple[int, ...]]:
+    """"64x128x256,..." -> [(64, 128, 256), ...]; ``form`` names the dims ("MxKxN", "MxK"): their
+    count is the number of numbers each size must have, and errors quote it."""
+    ndims = form.lower().count("x") + 1
     sizes = []
     for item in text.split(","):
         parts = item.lower().split("x")
-        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts):
+        if len(parts) != ndims or not all(p.strip().isdigit() for p in parts):
             raise SystemExit(f"--sizes: expected {form}[,{form}...], got {item!r}")
         sizes.append(tuple(int(p) for p in parts))
     return sizes

@@ -546,3 +546,18 @@ def test_teconfig_validates_direct_construction():
     with pytest.raises(ValueError, match=r"Override\.modules must be a single glob string"):
         Override(["a"], None)
     assert TeConfig(overrides=[Override("a", None)]).overrides == (Override("a", None),)
+
+
+def test_every_example_config_loads_and_builds_a_supported_lowering():
+    """The shipped examples/*.toml parse, and every recipe they name has a lowering."""
+    from pathlib import Path
+
+    from te_compile.lowerings import SUPPORTED_RECIPES
+
+    paths = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
+    assert len(paths) >= 8, [p.name for p in paths]
+    for path in paths:
+        config = load_config(path)
+        recipes = [config.recipe] + [o.recipe for o in config.overrides]
+        for recipe in recipes:
+            assert recipe is None or isinstance(recipe, SUPPORTED_RECIPES), (path.name, recipe)
