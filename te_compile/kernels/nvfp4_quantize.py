@@ -157,9 +157,11 @@ def nvfp4_quantize_reference(
     f = torch.div(s.expand_as(bs), bs)
     f = torch.where(torch.isinf(f), torch.full_like(f, FLT_MAX), f)
     f = torch.where(bs == 0, torch.zeros_like(f), f)
-    # per-row copies of the tile values: [M, Kb]
-    f_rows = f.repeat_interleave(tile_rows, dim=0)[:m]
-    scale = bs8.view(torch.uint8).repeat_interleave(tile_rows, dim=0)[:m]
+    # per-row copies of the tile values: [M, Kb], by a gather (repeat-then-slice miscompiles in
+    # inductor when the last row tile is partial)
+    tile_of_row = torch.arange(m, device=x.device) // tile_rows
+    f_rows = f[tile_of_row]
+    scale = bs8.view(torch.uint8)[tile_of_row]
     v = x32.reshape(m, kb, NVFP4_BLOCK) * f_rows[:, :, None]                     # [M, Kb, 16]
     a = v.abs().clamp(max=E2M1_MAX)
     if rand is None:
