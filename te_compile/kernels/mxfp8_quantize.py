@@ -20,15 +20,11 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
+from te_compile.tensor.scaling import fp8_max
 
 __all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton"]
 
 MXFP8_BLOCK = 32
-
-_FP8_MAX = {
-    torch.float8_e4m3fn: 448.0,
-    torch.float8_e5m2: 57344.0,
-}
 
 # Byte of a block whose amax is inf or NaN: the positive NaN of e4m3fn (0x7F) and of e5m2 (0x7F, a
 # quiet NaN), what torch and the GPU's saturating cast give for a positive NaN.
@@ -99,14 +95,13 @@ if HAS_TRITON:
 
 def _validate(x: torch.Tensor, fp8_dtype: torch.dtype) -> float:
     """fp8_max of ``fp8_dtype`` after checking the arguments."""
-    if fp8_dtype not in _FP8_MAX:
-        raise ValueError(f"fp8_dtype must be one of {list(_FP8_MAX)}, got {fp8_dtype!r}")
+    limit = fp8_max(fp8_dtype)  # validates the dtype, naming the allowed ones
     if not isinstance(x, torch.Tensor) or x.dim() != 2:
         shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"x must be a 2-D tensor [M, K], got {shape}")
     if not x.is_floating_point():
         raise ValueError(f"x must be a floating-point tensor (fp32, bf16 or fp16), got {x.dtype}")
-    return _FP8_MAX[fp8_dtype]
+    return limit
 
 
 def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

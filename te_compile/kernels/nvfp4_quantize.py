@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from te_compile.tensor.scaling import FLT_MAX
+from te_compile.tensor.scaling import FLT_MAX, scale_for_limit
 
 __all__ = [
     "NVFP4_BLOCK",
@@ -94,12 +94,7 @@ def _check_args(x: torch.Tensor, global_amax: torch.Tensor, tile_rows: int,
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
     """S = 448 * 6 / amax (fp32 [1]); amax 0, inf or NaN -> 1; an infinite S -> FLT_MAX."""
-    amax = global_amax.to(torch.float32).reshape(1)
-    # True IEEE division: a Python scalar over a tensor is reciprocal-then-multiply (DESIGN.md §6).
-    scale = torch.div(torch.full_like(amax, E4M3_MAX * E2M1_MAX), amax)
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
-    bad_amax = (amax == 0) | ~torch.isfinite(amax)
-    return torch.where(bad_amax, torch.ones_like(scale), scale)
+    return scale_for_limit(global_amax.to(torch.float32).reshape(1), E4M3_MAX * E2M1_MAX)
 
 
 def _e2m1_magnitude_rne(a: torch.Tensor) -> torch.Tensor:

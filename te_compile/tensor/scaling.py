@@ -16,6 +16,7 @@ __all__ = [
     "FLT_MAX",
     "fp8_max",
     "tensor_amax",
+    "scale_for_limit",
     "compute_scale",
     "cast_to_fp8",
     "update_amax_history",
@@ -57,6 +58,15 @@ def _scale_from_amax(amax: torch.Tensor, limit: float, margin: int) -> torch.Ten
     return torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
 
 
+def scale_for_limit(amax: torch.Tensor, limit: float, *, margin: int = 0) -> torch.Tensor:
+    """limit / amax / 2**margin (fp32, true division): the scale that maps ``amax`` onto ``limit``.
+    An amax of 0, inf or NaN gives 1; an infinite scale (amax tiny) becomes FLT_MAX. Shared by the
+    per-tensor and per-block FP8 scales and NVFP4's tensor scale (limit 448 * 6)."""
+    scale = _scale_from_amax(amax, limit, margin)
+    bad_amax = (amax == 0) | ~torch.isfinite(amax)
+    return torch.where(bad_amax, torch.ones_like(scale), scale)
+
+
 def compute_scale(
     amax: torch.Tensor,
     fp8_dtype: torch.dtype,
@@ -74,9 +84,7 @@ def compute_scale(
     amax = amax.to(torch.float32)
     if amax_epsilon > 0.0:
         amax = torch.clamp(amax, min=amax_epsilon)
-    scale = _scale_from_amax(amax, fp8_max(fp8_dtype), margin)
-    bad_amax = (amax == 0) | ~torch.isfinite(amax)
-    scale = torch.where(bad_amax, torch.ones_like(scale), scale)
+    scale = scale_for_limit(amax, fp8_max(fp8_dtype), margin=margin)
     if force_pow_2_scales:
         # keep sign and exponent bits, drop the mantissa: the largest power of two <= scale
         bits = scale.view(torch.int32) & torch.tensor(-8388608, dtype=torch.int32, device=scale.device)
