@@ -25,7 +25,7 @@ import torch
 
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, implements
 
-__all__ = ["BlockScaledTensorStorage", "BlockScaledTensor", "BlockScaledQuantizer"]
+__all__ = ["BlockScaledTensorStorage", "BlockScaledTensor", "BlockScaledQuantizer", "expand_block_scales"]
 
 aten = torch.ops.aten
 
@@ -36,6 +36,17 @@ def rows_cols(shape: torch.Size) -> tuple[int, int]:
         return 1, 1
     k = shape[-1]
     return math.prod(shape[:-1]), k
+
+
+def expand_block_scales(scale: torch.Tensor, dim: int, size: int, block: int) -> torch.Tensor:
+    """Each block's scale repeated over the ``block`` elements it covers along ``dim``, ``size``
+    elements in all (the last block may be partial).
+
+    A gather rather than repeat_interleave-then-slice: inductor (torch 2.13, CPU) miscompiles the
+    latter when the last block is partial and leaves the ragged tail unwritten.
+    """
+    index = torch.arange(size, device=scale.device) // block
+    return scale.index_select(dim, index)
 
 
 class BlockScaledTensorStorage(QuantizedTensorStorage):

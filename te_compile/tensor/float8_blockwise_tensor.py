@@ -14,7 +14,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.float8_block_quantize import FLOAT8_BLOCK, float8_block_quantize
-from .block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, BlockScaledTensorStorage
+from .block_scaled_tensor import (
+    BlockScaledQuantizer,
+    BlockScaledTensor,
+    BlockScaledTensorStorage,
+    expand_block_scales,
+)
 from .scaling import fp8_max
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage"]
@@ -23,10 +28,8 @@ __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTe
 def _dequantize_2d(data: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype, tile_rows: int) -> torch.Tensor:
     """fp32 values of data [R, C] with scale_inv [ceil(R/tile_rows), ceil(C/128)]."""
     rows, cols = data.shape
-    # gathers, not repeat_interleave-then-slice, which inductor miscompiles for partial blocks
-    row_index = torch.arange(rows, device=data.device) // tile_rows
-    col_index = torch.arange(cols, device=data.device) // FLOAT8_BLOCK
-    scale = scale_inv.index_select(0, row_index).index_select(1, col_index)
+    scale = expand_block_scales(scale_inv, 0, rows, tile_rows)
+    scale = expand_block_scales(scale, 1, cols, FLOAT8_BLOCK)
     return data.view(fp8_dtype).to(torch.float32) * scale
 
 

@@ -15,7 +15,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.mxfp8_quantize import MXFP8_BLOCK, mxfp8_quantize
-from .block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, BlockScaledTensorStorage
+from .block_scaled_tensor import (
+    BlockScaledQuantizer,
+    BlockScaledTensor,
+    BlockScaledTensorStorage,
+    expand_block_scales,
+)
 from .scaling import fp8_max
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "e8m0_to_fp32"]
@@ -30,16 +35,6 @@ def e8m0_to_fp32(codes: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _expand(scale: torch.Tensor, dim: int, size: int) -> torch.Tensor:
-    """Each block scale repeated over its 32 elements along ``dim`` (``size`` of them).
-
-    A gather rather than repeat_interleave-then-slice: inductor (torch 2.13, CPU) miscompiles the
-    latter when the last block is partial and leaves the ragged tail unwritten.
-    """
-    index = torch.arange(size, device=scale.device) // MXFP8_BLOCK
-    return scale.index_select(dim, index)
-
-
 class MXFP8TensorStorage(BlockScaledTensorStorage):
     """MXFP8 buffers without torch.Tensor behaviour."""
 
@@ -48,12 +43,14 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
     def _dequantize_rowwise(self) -> torch.Tensor:
         k = self._rowwise_data.shape[1]
         values = self._rowwise_data.view(self._fp8_dtype).to(torch.float32)
-        return values * _expand(e8m0_to_fp32(self._rowwise_scale_inv), 1, k)
+        scale = e8m0_to_fp32(self._rowwise_scale_inv)
+        return values * expand_block_scales(scale, 1, k, MXFP8_BLOCK)
 
     def _dequantize_columnwise(self) -> torch.Tensor:
         m = self._columnwise_data.shape[0]
         values = self._columnwise_data.view(self._fp8_dtype).to(torch.float32)
-        return values * _expand(e8m0_to_fp32(self._columnwise_scale_inv), 0, m)
+        scale = e8m0_to_fp32(self._columnwise_scale_inv)
+        return values * expand_block_scales(scale, 0, m, MXFP8_BLOCK)
 
     def _slice_rows(self, start: int, stop: int) -> dict:
         out = {}

@@ -16,7 +16,12 @@ from __future__ import annotations
 import torch
 
 from ..kernels.nvfp4_quantize import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize, unpack_e2m1
-from .block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, BlockScaledTensorStorage
+from .block_scaled_tensor import (
+    BlockScaledQuantizer,
+    BlockScaledTensor,
+    BlockScaledTensorStorage,
+    expand_block_scales,
+)
 from .rht import apply_rht, undo_rht
 from .scaling import tensor_amax
 
@@ -25,8 +30,8 @@ __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage"]
 
 def _dequantize_2d(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
     """fp32 [R, C] from packed data [R, C/2], E4M3 scale bytes [R, C/16] and the tensor amax [1]."""
-    index = torch.arange(scale.shape[1] * NVFP4_BLOCK, device=scale.device) // NVFP4_BLOCK
-    block_scale = scale.view(torch.float8_e4m3fn).to(torch.float32).index_select(1, index)
+    block_scale = scale.view(torch.float8_e4m3fn).to(torch.float32)
+    block_scale = expand_block_scales(block_scale, 1, scale.shape[1] * NVFP4_BLOCK, NVFP4_BLOCK)
     # e2m1 * e4m3 is exact in fp32; one rounding in the division by the tensor scale
     return (unpack_e2m1(data) * block_scale) / nvfp4_global_scale(amax).reshape(())
 
