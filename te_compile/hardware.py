@@ -41,17 +41,21 @@ def _answer(ok: bool, reason: str, return_reason: bool):
     return (ok, reason) if return_reason else ok
 
 
-def _cuda_probe(device, need: tuple[int, int], what: str, return_reason: bool):
+def _cuda_probe(device, need: tuple[int, int], what: str, return_reason: bool,
+                only_major: Optional[int] = None):
+    """``need``: the lowest compute capability; ``only_major``: the one architecture family that has
+    it, where later ones dropped it."""
     if not torch.cuda.is_available():
         # A probe answers rather than raises: asking about "cuda" on a CPU-only build is a question.
         return _answer(False, f"{what}: {device} requested but CUDA is not available; "
                        "te_compile emulates it (dequantize-then-matmul)", return_reason)
     cc = get_device_compute_capability(device)
-    if cc >= need:
+    if cc >= need and (only_major is None or cc[0] == only_major):
         return _answer(True, f"{what}: native on compute capability {cc[0]}.{cc[1]}", return_reason)
+    wanted = f"{only_major}.x" if only_major is not None else f"{need[0]}.{need[1]}+"
     return _answer(
         False,
-        f"{what}: needs compute capability {need[0]}.{need[1]}+, found {cc[0]}.{cc[1]}; "
+        f"{what}: needs compute capability {wanted}, found {cc[0]}.{cc[1]}; "
         "te_compile emulates it (dequantize-then-matmul)",
         return_reason,
     )
@@ -81,11 +85,15 @@ def is_mxfp8_available(return_reason: bool = False, device: DeviceLike = None):
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False, device: DeviceLike = None):
-    """1x128 / 128x128 block-scaled FP8 GEMMs: Hopper (sm90) and later; emulated elsewhere."""
+    """1x128 / 128x128 block-scaled FP8 GEMMs: Hopper (sm90) only; emulated elsewhere.
+
+    cuBLASLt (12.9+) has these scaling modes on Hopper alone, and torch's scaled_mm refuses them on
+    other architectures ("DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90").
+    """
     device = _device(device)
     if device.type == "cpu":
         return _answer(False, "FP8 block scaling: emulated on CPU (dequantize-then-matmul)", return_reason)
-    return _cuda_probe(device, (9, 0), "FP8 block scaling", return_reason)
+    return _cuda_probe(device, (9, 0), "FP8 block scaling", return_reason, only_major=9)
 
 
 def is_nvfp4_available(return_reason: bool = False, device: DeviceLike = None):

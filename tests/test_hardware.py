@@ -67,7 +67,8 @@ def test_asking_about_cuda_without_cuda_answers_false(probe):
 @pytest.mark.parametrize(
     "cc, fp8, block, mx, fp4",
     [((8, 0), False, False, False, False), ((8, 9), True, False, False, False),
-     ((9, 0), True, True, False, False), ((10, 0), True, True, True, True)],
+     ((9, 0), True, True, False, False), ((10, 0), True, False, True, True),
+     ((12, 0), True, False, True, True)],
 )
 def test_cuda_thresholds(monkeypatch, cc, fp8, block, mx, fp4):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -83,4 +84,5 @@ def test_cuda_thresholds(monkeypatch, cc, fp8, block, mx, fp4):
             assert f"native on compute capability {cc[0]}.{cc[1]}" in reason, reason
         else:
             assert f"found {cc[0]}.{cc[1]}" in reason and "emulates" in reason, reason
+            assert "needs compute capability" in reason, reason
     assert is_bf16_available(device="cuda") is (cc >= (8, 0))
