@@ -36,11 +36,14 @@ TE_RECIPES = {
     "DelayedScaling": {"amax_history_len": 16},
     "CustomRecipe": {"qfactory": "te_compile.custom_recipes.quantization_current_scaling:"
                                  "current_scaling_ref_quantizer_factory"},
-    # block-scaled recipes: emulated GEMMs (dequantize-then-matmul) on every device for now
+    # block-scaled recipes: native GEMMs (F.scaled_mm) where the device passes te_compile's self-test,
+    # else emulated; on CUDA each also gets an "emulated" row (native_block_gemm = false) to compare
     "MXFP8BlockScaling": {},
     "Float8BlockScaling": {},
     "NVFP4BlockScaling": {},
 }
+
+BLOCK_RECIPES = ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling")
 
 
 @dataclass
@@ -104,7 +107,9 @@ def describe_machine(device: torch.device) -> str:
 
 def precision_note(device: torch.device) -> str:
     if device.type == "cuda":
-        return "inductor baseline in bf16; te rows run FP8 GEMMs (torch._scaled_mm)"
+        return ("inductor baseline in bf16; te per-tensor rows run FP8 GEMMs (torch._scaled_mm); block "
+                "rows run F.scaled_mm where te_compile's self-test passed on this GPU (else emulated), "
+                "and their '(emulated)' twins force the dequantize-then-matmul emulation")
     return ("CPU: the inductor baseline runs in fp32 (bf16 matmuls are very slow on this CPU); the "
             "te rows' FP8 GEMMs are emulated in software by torch._scaled_mm, so te is expected to "
             "be slower than fp32 here")
@@ -117,6 +122,12 @@ def providers(device: torch.device) -> list[Provider]:
         def prepare(m, recipe=recipe, options=options):
             return torch.compile(m, backend=te_compile.backend(recipe=recipe, **options), dynamic=False)
         out.append(Provider(f"te {recipe}", True, prepare))
+        if device.type == "cuda" and recipe in BLOCK_RECIPES:
+            def prepare_emulated(m, recipe=recipe, options=options):
+                backend = te_compile.backend(recipe=recipe, native_block_gemm=False, **options)
+                return torch.compile(m, backend=backend, dynamic=False)
+            out.append(Provider(f"te {recipe} (emulated)", True, prepare_emulated,
+                                note="native_block_gemm = false"))
     try:
         from torchao.float8 import convert_to_float8_training
     except ImportError:

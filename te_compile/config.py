@@ -40,7 +40,7 @@ __all__ = [
 _ENV_VAR = "TE_COMPILE_CONFIG"
 _COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
-_TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler")
+_TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm")
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
 
 
@@ -110,6 +110,9 @@ class TeConfig:
     overrides: tuple[Override, ...] = ()  # first match wins
     # "aot_eager" skips inductor codegen: much faster to compile, for debugging the rewrites
     compiler: str = "inductor"
+    # Block-scaled recipes: native GEMMs where the device passes block_gemm_probe's self-test; False
+    # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
+    native_block_gemm: bool = True
     source: str = "<defaults>"  # where the config came from, for messages and reports
 
     def __post_init__(self):
@@ -303,8 +306,10 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
     compiler = data.get("compiler", TeConfig.compiler)
     if compiler not in _COMPILERS:
         raise _error(source, "compiler", f"must be one of {list(_COMPILERS)}, got {compiler!r}")
+    native = _convert(data.get("native_block_gemm", TeConfig.native_block_gemm), bool,
+                      "native_block_gemm", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
-                    source=source)
+                    native_block_gemm=native, source=source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -68,6 +68,7 @@ def test_defaults(clean_env):
     assert config.rewrite == RewriteConfig(linear=True, layer_norm=True, rms_norm=True, sdpa=False)
     assert config.overrides == ()
     assert config.compiler == "inductor"
+    assert config.native_block_gemm is True
     assert config.source == "<defaults>"
     assert config.recipe_for("layers.0.attn.qkv") == (Float8CurrentScaling(), "global")
 
@@ -76,6 +77,7 @@ def test_full_file_every_key(tmp_path):
     path = write(tmp_path / "fp8.toml", """
         recipe = "DelayedScaling"
         compiler = "aot_eager"
+        native_block_gemm = false
         [recipe_options]
         margin = 1
         fp8_format = "E4M3"
@@ -107,6 +109,7 @@ def test_full_file_every_key(tmp_path):
         Override("layers.*.mlp.*", MXFP8BlockScaling(fp8_format=Format.HYBRID)),
     )
     assert config.compiler == "aot_eager"
+    assert config.native_block_gemm is False
     assert config.source == str(path)
 
 
@@ -338,6 +341,7 @@ def test_config_file_with_inline_layering(clean_env):
     write(clean_env / "fp8.toml", """
         recipe = "DelayedScaling"
         compiler = "aot_eager"
+        native_block_gemm = false
         [recipe_options]
         margin = 1
         amax_history_len = 1024
@@ -385,7 +389,7 @@ def error_for(tmp_path, monkeypatch):
 def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
-                     r"'rewrite', 'overrides', 'compiler'\]", message), message
+                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm'\]", message), message
 
 
 def test_error_unknown_recipe_name(error_for):
@@ -413,6 +417,13 @@ def test_error_unknown_recipe_option(error_for):
 def test_error_wrong_type(tmp_path, line, key, expected):
     path = write(tmp_path / "bad.toml", f'recipe = "DelayedScaling"\n[recipe_options]\n{line}\n')
     with pytest.raises(ConfigError, match=rf"bad\.toml: recipe_options\.{key}: {expected}"):
+        load_config(path)
+
+
+def test_error_native_block_gemm_type(tmp_path):
+    path = write(tmp_path / "bad.toml", 'native_block_gemm = "no"\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml: native_block_gemm: expected a bool \(true or false\), "
+                                          r"got 'no' \(str\)"):
         load_config(path)
 
 

@@ -3,7 +3,8 @@
 The backend replaces ``linear(x, w, b)`` (or ``addmm(b, x, w)`` with ``w: [in, out]``) by a call to
 a ``LinearLowering``: plain Python around autograd.Functions, so aot_autograd traces forward and
 backward. Per-tensor recipes go to fp8_linear.py (torch._scaled_mm), block-scaled recipes and
-CustomRecipe to quantized_linear.py (quantizer objects, dequantize-then-matmul GEMMs).
+CustomRecipe to quantized_linear.py (quantizer objects; native block-scaled GEMMs where the pass found
+the device runs them, see block_gemm_probe.py, else dequantize-then-matmul).
 """
 
 from __future__ import annotations
@@ -30,17 +31,20 @@ class LinearSpec:
     fqn: str
     recipe: Recipe
     weight_in_out: bool = False   # weight stored [in, out] (GPT-2 Conv1D / addmm) not [out, in]
+    native_gemm: bool = False     # block recipes: GEMMs through F.scaled_mm (block_gemm_probe said yes)
 
 
-def gemm_kind(recipe: Recipe) -> str:
-    """How the site's GEMMs run, for the report."""
+def gemm_kind(recipe: Recipe, native: bool = False, why: str = "") -> str:
+    """How the site's GEMMs run, for the report; ``native`` / ``why``: the block-GEMM probe's answer."""
     if isinstance(recipe, PER_TENSOR_RECIPES):
         return "FP8 GEMMs (torch._scaled_mm)"
     if recipe.custom():
         return "custom quantizers, dequantize-then-matmul GEMMs"
     fmt = {"MXFP8BlockScaling": "MXFP8", "Float8BlockScaling": "FP8 block",
            "NVFP4BlockScaling": "NVFP4"}[recipe.name]
-    return f"{fmt}, emulated GEMMs (dequantize-then-matmul)"
+    if native:
+        return f"{fmt}, native GEMMs (F.scaled_mm)"
+    return f"{fmt}, emulated GEMMs (dequantize-then-matmul{'; ' + why if why else ''})"
 
 
 class LinearLowering:
@@ -70,7 +74,7 @@ class LinearLowering:
         x2d = x.reshape(-1, k)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         if self._factory is not None:
-            y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory)
+            y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory, self.spec.native_gemm)
         else:
             # A backward will run (and update the state) only if autograd records this call.
             backward_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
@@ -80,4 +84,5 @@ class LinearLowering:
         return y.reshape(*x.shape[:-1], w_nk.shape[0])
 
     def __repr__(self) -> str:
-        return f"LinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"
+        native = ", native GEMMs" if self.spec.native_gemm else ""
+        return f"LinearLowering({self.spec.fqn!r}, {self.spec.recipe.name}{native})"

@@ -9,8 +9,10 @@ The forward quantizes the columnwise copies of x and w and saves only those (the
 not the high-precision tensors). Columnwise operands get their token dim M padded with zero rows to
 a multiple of 16 (NVFP4's block): zero rows change no block amax and add nothing to dw.
 
-GEMMs dequantize both operands to fp32 and multiply (te_compile.lowerings.gemm.dequantized_gemm):
-no device here has native block-scaled GEMMs wired in yet, and the report says "emulated GEMM".
+GEMMs: with ``native`` (the backend sets it where block_gemm_probe found the device runs the format
+natively) each GEMM goes to F.scaled_mm through block_gemm.native_block_gemm; otherwise, and for the one
+pair scaled_mm lacks (two 128x128-tiled Float8 operands), both operands are dequantized to fp32 and
+multiplied (gemm.dequantized_gemm), which the report calls "emulated".
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..tensor.quantized_tensor import Quantizer, prepare_for_saving, restore_from_saved
+from .block_gemm import native_block_gemm, native_pair_supported
 from .gemm import dequantized_gemm
 
 __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
@@ -37,23 +40,32 @@ def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *
     return quantizer.quantize(t)
 
 
+def _gemm(native: bool, a, b, *, transpose_a: bool = False, transpose_b: bool = False,
+          out_dtype: torch.dtype) -> torch.Tensor:
+    """op(a) @ op(b): natively where allowed, else the exact emulation."""
+    if native and native_pair_supported(a, b):
+        return native_block_gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+    return dequantized_gemm(a, b, transpose_a=transpose_a, transpose_b=transpose_b, out_dtype=out_dtype)
+
+
 def _pad_rows(t: torch.Tensor) -> torch.Tensor:
     pad = (-t.shape[0]) % COLUMNWISE_ROW_MULTIPLE
     return F.pad(t, (0, 0, 0, pad)) if pad else t
 
 
 class QuantizedLinearFunction(torch.autograd.Function):
-    """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``."""
+    """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``; ``native``: run the
+    GEMMs through F.scaled_mm (only where block_gemm_probe says the device can)."""
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, factory):
+    def forward(ctx, x2d, w_nk, factory, native=False):
         qx = _quantize(factory, "input", x2d, columnwise=False)
         qw = _quantize(factory, "weight", w_nk, columnwise=False)
         x_quantizer = factory("input")
         if hasattr(x_quantizer, "qgemm"):  # a custom recipe may bring its own GEMM
             y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
         else:
-            y = dequantized_gemm(qx, qw, transpose_b=True, out_dtype=x2d.dtype)
+            y = _gemm(native, qx, qw, transpose_b=True, out_dtype=x2d.dtype)
         # Backward operands: x along M for wgrad, w along N for dgrad; None when not needed.
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         qx_col = _quantize(factory, "input", _pad_rows(x2d), columnwise=True) if needs_dw else None
@@ -61,6 +73,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         tensors, ctx.objects = prepare_for_saving(qx_col, qw_col)
         ctx.save_for_backward(*tensors)
         ctx.factory = factory
+        ctx.native = native
         ctx.dtypes = (x2d.dtype, w_nk.dtype)
         return y
 
@@ -72,8 +85,8 @@ class QuantizedLinearFunction(torch.autograd.Function):
         dx = dw = None
         if ctx.needs_input_grad[0]:
             qg = _quantize(factory, "grad_output", grad_y, columnwise=False)
-            dx = dequantized_gemm(qg, qw_col, out_dtype=x_dtype)
+            dx = _gemm(ctx.native, qg, qw_col, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
             qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), columnwise=True)
-            dw = dequantized_gemm(qg_col, qx_col, transpose_a=True, out_dtype=w_dtype)
-        return dx, dw, None
+            dw = _gemm(ctx.native, qg_col, qx_col, transpose_a=True, out_dtype=w_dtype)
+        return dx, dw, None, None

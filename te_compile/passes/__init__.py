@@ -9,6 +9,7 @@ import torch
 import torch.fx as fx
 
 from ..config import TeConfig
+from ..lowerings.block_gemm_probe import native_block_gemm_support, recipe_block_format
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..report import SiteRecord
 from ..state import state_for
@@ -68,7 +69,15 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
         if reason is not None:
             records.append(SiteRecord(recipe=recipe.name, rewritten=False, reason=reason, **record))
             continue
-        lowering = LinearLowering(LinearSpec(site.fqn, recipe, site.weight_in_out))
+        # Block formats: native GEMMs only where the device passes the probe (it may run a self-test).
+        native, gemm_why = False, ""
+        if recipe_block_format(recipe) is not None:
+            if config.native_block_gemm:
+                x = site.x.meta["example_value"]
+                native, gemm_why = native_block_gemm_support(recipe, x.device, x.dtype)
+            else:
+                gemm_why = "native_block_gemm = false"
+        lowering = LinearLowering(LinearSpec(site.fqn, recipe, site.weight_in_out, native))
         state_nodes = []
         if recipe.delayed():
             if site.weight not in state_nodes_of:
@@ -79,7 +88,7 @@ def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeCon
                 state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(tensors))
             state_nodes = state_nodes_of[site.weight]
         count += rewrite_linear(gm, site, lowering, state_nodes)
-        how = f"{site.op_name} -> {gemm_kind(recipe)} ({why})"
+        how = f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why)} ({why})"
         records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))
     return count
 
