@@ -177,9 +177,14 @@ def test_nvfp4_2d_weight_blocks_agree_between_copies():
     assert_bitwise_equal(t._dequantize_rowwise(), t._dequantize_columnwise(), "rowwise vs columnwise values")
     # the tile scales of one copy are the transposed tile scales of the other
     assert_bitwise_equal(t._rowwise_scale_inv[::16], t._columnwise_scale_inv[::16].t().contiguous())
+    # both copies in one call derive the columnwise one from the rowwise one: it must equal the copy
+    # quantized from high precision on its own
+    alone = NVFP4Quantizer(with_2d_quantization=True, rowwise=False)(w)
+    for name in ("_columnwise_data", "_columnwise_scale_inv", "_amax_columnwise"):
+        assert_bitwise_equal(getattr(t, name), getattr(alone, name), f"{name}: derived vs from high precision")
     derived = NVFP4Quantizer(with_2d_quantization=True, columnwise=False)(w)
     derived.update_usage(columnwise_usage=True)
-    assert_bitwise_equal(derived._columnwise_data, t._columnwise_data, "derived columnwise copy")
+    assert_bitwise_equal(derived._columnwise_data, alone._columnwise_data, "update_usage's derived copy")
 
 
 def test_float8_block_2d_copies_are_transposes_and_1d_are_not():

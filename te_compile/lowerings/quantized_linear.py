@@ -32,10 +32,11 @@ __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
 COLUMNWISE_ROW_MULTIPLE = 16
 
 
-def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, columnwise: bool):
-    """One copy (rowwise or columnwise) of ``t`` quantized by ``factory(role)``, as a storage object."""
+def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
+              columnwise: bool = False):
+    """The asked copies of ``t`` quantized by ``factory(role)``, as a storage object."""
     quantizer = factory(role).copy()
-    quantizer.set_usage(rowwise=not columnwise, columnwise=columnwise)
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
     quantizer.internal = True
     return quantizer.quantize(t)
 
@@ -59,17 +60,22 @@ class QuantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, w_nk, factory, native=False):
-        qx = _quantize(factory, "input", x2d, columnwise=False)
-        qw = _quantize(factory, "weight", w_nk, columnwise=False)
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        qx = _quantize(factory, "input", x2d)
+        # Both weight copies in one call: formats with 2-D weight tiles (Float8 block 128x128, NVFP4
+        # 16x16) then transpose the rowwise copy instead of quantizing w twice.
+        qw = _quantize(factory, "weight", w_nk, columnwise=needs_dx)
         x_quantizer = factory("input")
         if hasattr(x_quantizer, "qgemm"):  # a custom recipe may bring its own GEMM
             y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
         else:
             y = _gemm(native, qx, qw, transpose_b=True, out_dtype=x2d.dtype)
         # Backward operands: x along M for wgrad, w along N for dgrad; None when not needed.
-        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qx_col = _quantize(factory, "input", _pad_rows(x2d), columnwise=True) if needs_dw else None
-        qw_col = _quantize(factory, "weight", w_nk, columnwise=True) if needs_dx else None
+        qx_col = _quantize(factory, "input", _pad_rows(x2d), rowwise=False, columnwise=True) if needs_dw else None
+        qw_col = None
+        if needs_dx:
+            qw.update_usage(rowwise_usage=False)  # save only the copy dgrad reads
+            qw_col = qw
         tensors, ctx.objects = prepare_for_saving(qx_col, qw_col)
         ctx.save_for_backward(*tensors)
         ctx.factory = factory
@@ -84,9 +90,9 @@ class QuantizedLinearFunction(torch.autograd.Function):
         factory = ctx.factory
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            qg = _quantize(factory, "grad_output", grad_y, columnwise=False)
+            qg = _quantize(factory, "grad_output", grad_y)
             dx = _gemm(ctx.native, qg, qw_col, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
-            qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), columnwise=True)
+            qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), rowwise=False, columnwise=True)
             dw = _gemm(ctx.native, qg_col, qx_col, transpose_a=True, out_dtype=w_dtype)
         return dx, dw, None, None

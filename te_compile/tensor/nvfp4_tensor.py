@@ -46,6 +46,14 @@ def _pack_codes(codes: torch.Tensor) -> torch.Tensor:
     return (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
 
 
+def _transposed_tiles(data: torch.Tensor, scale: torch.Tensor):
+    """The transpose of a 16x16-tiled copy: data [R, C/2] and scale [R, C/16] (R % 16 == 0) ->
+    data [C, R/2] and scale [C, R/16]. Tiles are the same both ways, so only bytes move."""
+    tile_scales = scale[::NVFP4_BLOCK]  # [R/16, C/16]: one row per tile row
+    return (_pack_codes(_unpack_codes(data).t()),
+            tile_scales.t().repeat_interleave(NVFP4_BLOCK, dim=0).contiguous())
+
+
 class NVFP4TensorStorage(BlockScaledTensorStorage):
     """NVFP4 buffers without torch.Tensor behaviour."""
 
@@ -69,10 +77,8 @@ class NVFP4TensorStorage(BlockScaledTensorStorage):
         data, scale = getattr(self, f"_{src}_data"), getattr(self, f"_{src}_scale_inv")
         if data.shape[0] % NVFP4_BLOCK:
             return None  # a partial tile row: the other copy's blocks would need rows that do not exist
-        tile_scales = scale[::NVFP4_BLOCK]  # [R/16, C/16]: one row per tile row
-        return {f"{dst}_data": _pack_codes(_unpack_codes(data).t()),
-                f"{dst}_scale_inv": tile_scales.t().repeat_interleave(NVFP4_BLOCK, dim=0).contiguous(),
-                f"amax_{dst}": getattr(self, f"_amax_{src}")}
+        data_t, scale_t = _transposed_tiles(data, scale)
+        return {f"{dst}_data": data_t, f"{dst}_scale_inv": scale_t, f"amax_{dst}": getattr(self, f"_amax_{src}")}
 
     def _slice_rows(self, start: int, stop: int) -> dict:
         out = {}
@@ -135,10 +141,16 @@ class NVFP4Quantizer(BlockScaledQuantizer):
             if m % NVFP4_BLOCK:
                 raise ValueError(f"NVFP4's columnwise copy needs the rows (numel / last dim) to be a "
                                  f"multiple of {NVFP4_BLOCK}, got {m}")
-            xt = x2d.t().contiguous()
-            if self.with_rht:
-                xt = apply_rht(xt)
-            col_amax = tensor_amax(xt)
-            data, scale = self._encode(xt, col_amax)
-            fields.update(columnwise_data=data, columnwise_scale_inv=scale, amax_columnwise=col_amax)
+            if (self.rowwise_usage and self.with_2d_quantization and not self.with_rht
+                    and not self.stochastic_rounding):
+                # same 16x16 tiles and tensor amax: transposing the rowwise copy equals quantizing x.T
+                data_t, scale_t = _transposed_tiles(data, scale)
+                col_amax = row_amax
+            else:
+                xt = x2d.t().contiguous()
+                if self.with_rht:
+                    xt = apply_rht(xt)
+                col_amax = tensor_amax(xt)
+                data_t, scale_t = self._encode(xt, col_amax)
+            fields.update(columnwise_data=data_t, columnwise_scale_inv=scale_t, amax_columnwise=col_amax)
         return fields
