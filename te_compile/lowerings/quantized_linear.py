@@ -10,9 +10,9 @@ not the high-precision tensors). Columnwise operands get their token dim M padde
 a multiple of 16 (NVFP4's block): zero rows change no block amax and add nothing to dw.
 
 GEMMs: with ``native`` (the backend sets it where block_gemm_probe found the device runs the format
-natively) each GEMM goes to F.scaled_mm through block_gemm.native_block_gemm; otherwise, and for the one
-pair scaled_mm lacks (two 128x128-tiled Float8 operands), both operands are dequantized to fp32 and
-multiplied (gemm.dequantized_gemm), which the report calls "emulated".
+natively) each GEMM goes to F.scaled_mm through block_gemm.native_block_gemm; otherwise, and for the
+pairs scaled_mm lacks (E5M2 operands, two 128x128-tiled Float8 operands), both operands are
+dequantized to fp32 and multiplied (gemm.dequantized_gemm), which the report calls "emulated".
 """
 
 from __future__ import annotations
