@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.nvfp4_quantize import unpack_e2m1
+from ..tensor.block_scaled_tensor import expand_block_scales
 from ..tensor.mxfp8_tensor import e8m0_to_fp32
 
 __all__ = ["block_scaled_mm", "block_scaled_mm_reference", "swizzle_32_4_4", "unswizzle_32_4_4"]
@@ -79,12 +80,6 @@ def unswizzle_32_4_4(flat: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return tiles.permute(0, 3, 2, 1, 4).reshape(rp, cp)[:rows, :cols]
 
 
-def _expand(scale: torch.Tensor, rows: int, k: int, row_block: int, k_block: int) -> torch.Tensor:
-    """Per-element scales [rows, k] from per-block ones [⌈rows/row_block⌉, ⌈k/k_block⌉]."""
-    scale = scale.index_select(0, torch.arange(rows, device=scale.device) // row_block)
-    return scale.index_select(1, torch.arange(k, device=scale.device) // k_block)
-
-
 def _typed(data: torch.Tensor, scales: list[torch.Tensor], recipes: list[int]):
     """The uint8 byte formats the op takes, viewed as the dtypes scaled_mm expects."""
     kind = F.ScalingType(recipes[0])
@@ -117,14 +112,14 @@ def _decode(data: torch.Tensor, scales: list[torch.Tensor], recipes: list[int],
         raw = unswizzle_32_4_4(raw.reshape(-1), rows, kb) if swizzled else raw.reshape(rows, kb)
         scale = e8m0_to_fp32(raw) if kind == F.ScalingType.BlockWise1x32 else \
             raw.view(torch.float8_e4m3fn).to(torch.float32)
-        out = values * _expand(scale, rows, k, 1, block)
+        out = values * expand_block_scales(scale, 1, k, block)
         if len(scales) > 1:  # NVFP4's second level: the fp32 tensor decode scale
             out = out * scales[1].to(torch.float32).reshape(())
         return out
     if kind == F.ScalingType.BlockWise1x128:
-        return values * _expand(scales[0].reshape(rows, kb), rows, k, 1, block)
+        return values * expand_block_scales(scales[0].reshape(rows, kb), 1, k, block)
     tile_scales = scales[0].t()[:, :kb]  # [L4, R/128] -> [R/128, K/128]
-    return values * _expand(tile_scales, rows, k, block, block)
+    return values * expand_block_scales(expand_block_scales(tile_scales, 0, rows, block), 1, k, block)
 
 
 def block_scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor,
