@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 
 import te_compile
-from te_compile.tensor.scaling import FLT_MAX
+from te_compile.scaling import FLT_MAX
 from utils import assert_bitwise_equal, assert_sqnr_at_least
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0

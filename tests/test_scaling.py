@@ -1,4 +1,4 @@
-"""Per-tensor FP8 numerics (DESIGN.md §5): te_compile.tensor.scaling and the two per-tensor
+"""Per-tensor FP8 numerics (DESIGN.md §5): te_compile.scaling and the two per-tensor
 quantizers, checked bit for bit against the plain-torch reference in tests/utils.py (fp64 division
 rounded once to fp32 for the scale, clamp then cast for the data)."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from te_compile.tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-from te_compile.tensor.scaling import (
+from te_compile.scaling import (
     cast_to_fp8,
     compute_scale,
     delayed_scale_from_history,

@@ -2,7 +2,7 @@
 
 DeepSeek-style blocks as in TransformerEngine's ``Float8BlockQuantizer``: activations and
 gradients use 1x128 blocks (``tile_rows=1``), weights 128x128 tiles (``tile_rows=128``). Each tile
-gets the per-tensor current-scaling rule of ``te_compile.tensor.scaling.compute_scale`` applied to
+gets the per-tensor current-scaling rule of ``te_compile.scaling.compute_scale`` applied to
 its own amax, and its elements are cast with ``cast_to_fp8``; a ragged last tile along either dim
 takes the amax of the elements present. Only the rowwise copy is produced here: callers that need
 the columnwise copy quantize ``x.t().contiguous()`` (from high precision, as TE does).
@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from te_compile.tensor.scaling import FLT_MAX, cast_to_fp8, compute_scale, fp8_max
+from ..scaling import FLT_MAX, cast_to_fp8, compute_scale, fp8_max
 
 __all__ = [
     "FLOAT8_BLOCK",

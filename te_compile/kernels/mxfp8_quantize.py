@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from te_compile.tensor.scaling import fp8_max
+from ..scaling import fp8_max
 
 __all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton"]
 

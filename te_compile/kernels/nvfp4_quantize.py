@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from te_compile.tensor.scaling import FLT_MAX, scale_for_limit
+from ..scaling import FLT_MAX, scale_for_limit
 
 __all__ = [
     "NVFP4_BLOCK",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from ..recipe import DelayedScaling, Float8CurrentScaling
-from ..tensor.scaling import (
+from ..scaling import (
     cast_to_fp8,
     compute_scale,
     delayed_scale_from_history,

@@ -20,7 +20,7 @@ from .block_scaled_tensor import (
     BlockScaledTensorStorage,
     expand_block_scales,
 )
-from .scaling import fp8_max
+from ..scaling import fp8_max
 
 __all__ = ["Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage"]
 

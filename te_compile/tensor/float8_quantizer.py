@@ -8,7 +8,7 @@ import torch
 
 from .float8_tensor import Float8Tensor, Float8TensorStorage, _transpose_2d
 from .quantized_tensor import Quantizer
-from .scaling import cast_to_fp8, compute_scale, fp8_max, tensor_amax
+from ..scaling import cast_to_fp8, compute_scale, fp8_max, tensor_amax
 
 __all__ = ["Float8Quantizer", "Float8CurrentScalingQuantizer"]
 
@@ -91,7 +91,7 @@ class _Float8QuantizerBase(Quantizer):
 class Float8Quantizer(_Float8QuantizerBase):
     """Delayed scaling: quantize with the given ``scale`` ([1] fp32, owned by the recipe state) and
     max-accumulate |x| into the given ``amax`` ([1] fp32). The recipe turns amaxes into the next
-    scale (te_compile.tensor.scaling.delayed_scale_from_history)."""
+    scale (te_compile.scaling.delayed_scale_from_history)."""
 
     def __init__(self, scale: torch.Tensor, amax: torch.Tensor, fp8_dtype: torch.dtype, *,
                  rowwise: bool = True, columnwise: bool = True) -> None:

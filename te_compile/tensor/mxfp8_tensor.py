@@ -21,7 +21,7 @@ from .block_scaled_tensor import (
     BlockScaledTensorStorage,
     expand_block_scales,
 )
-from .scaling import fp8_max
+from ..scaling import fp8_max
 
 __all__ = ["MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage", "e8m0_to_fp32"]
 

@@ -23,7 +23,7 @@ from .block_scaled_tensor import (
     expand_block_scales,
 )
 from .rht import apply_rht, undo_rht
-from .scaling import tensor_amax
+from ..scaling import tensor_amax
 
 __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage"]
 
