@@ -7,8 +7,10 @@ import os
 from typing import Callable, Optional, Sequence, Union
 
 import torch.fx as fx
+from torch._dynamo.exc import ShortenTraceback
+from torch._guards import detect_fake_mode
 
-from .config import TeConfig, load_config, resolve_config
+from .config import ConfigError, TeConfig, load_config, resolve_config
 from .passes import run_passes
 from .report import Report, _next_graph_id, _record
 
@@ -49,20 +51,35 @@ def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def _with_state_inputs(compiled: Callable, result) -> Callable:
-    """Append the recipe state of the weights each call receives to the graph's inputs.
+def _with_extra_inputs(compiled: Callable, result) -> Callable:
+    """Append the extra inputs of the rewritten graph (the recipe state of the weights each call
+    receives) to Dynamo's arguments.
 
     Dynamo passes parameters as graph inputs and reuses one compiled graph for every instance of
     a module class, so state is looked up per call by weight (a weak-keyed dict lookup per stateful
     weight) rather than baked into the graph: each model keeps its own.
     """
-    if not result.state_inputs:
+    if not result.extra_inputs:
         return compiled
 
     def run(*args):
-        return compiled(*args, *result.state_tensors(args))
+        return compiled(*args, *result.extra_tensors(args))
 
     return run
+
+
+def _static_examples(tensors: list, example_inputs: Sequence) -> list:
+    """The extra inputs as example values with static shapes.
+
+    Under ``dynamic=True`` aot_autograd would give every dim of a real tensor it has not seen a size
+    symbol, and duck sizing unifies equal sizes: an amax history of length 16 and a sequence of 16
+    tokens would share one symbol, so the next length would fail a guard. Recipe state has fixed
+    shapes; fake tensors made with ``static_shapes=True`` in Dynamo's fake mode say so.
+    """
+    fake_mode = detect_fake_mode(example_inputs)
+    if fake_mode is None:
+        return tensors
+    return [fake_mode.from_tensor(t, static_shapes=True) for t in tensors]
 
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
@@ -72,8 +89,8 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     records = result.records
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
-    inputs = [*example_inputs, *result.state_tensors(example_inputs)]
-    compiled = _with_state_inputs(_final_compiler(gm, inputs, config, mode), result)
+    extra = _static_examples(result.extra_tensors(example_inputs), example_inputs)
+    compiled = _with_extra_inputs(_final_compiler(gm, [*example_inputs, *extra], config, mode), result)
     _record(records)
     if records:
         table = str(Report(records))
@@ -83,9 +100,26 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     return compiled
 
 
+class CompileConfigError(ConfigError, ShortenTraceback):
+    """A ConfigError found at the first call of ``torch.compile(..., backend="te", options=...)``,
+    the first time torch hands the backend its options.
+
+    Dynamo wraps what a backend raises in BackendCompilerFailed, whose message starts with its own
+    words, except exceptions deriving from ShortenTraceback, which it re-raises unchanged: so the user
+    reads our message first (file, key, allowed values) and can catch ``te_compile.ConfigError``.
+    """
+
+    def __init__(self, message: str) -> None:
+        Exception.__init__(self, message)
+        self.first_useful_frame = None   # ShortenTraceback: keep the whole traceback
+
+
 def te_backend(gm: fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
     """Entry point of ``torch.compile(model, backend="te", options=..., mode=...)``."""
-    config = resolve_config(kwargs.get("options"))
+    try:
+        config = resolve_config(kwargs.get("options"))
+    except ConfigError as e:
+        raise CompileConfigError(str(e)) from None
     return _compile(gm, example_inputs, config, kwargs.get("mode"))
 
 

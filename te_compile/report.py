@@ -9,6 +9,8 @@ from tabulate import tabulate
 
 __all__ = ["SiteRecord", "Report", "report", "reset"]
 
+_SHOWN = 5  # sites left in high precision named per summary line
+
 
 @dataclass(frozen=True)
 class SiteRecord:
@@ -45,8 +47,28 @@ class Report:
             for s in self.sites
         ]
         table = tabulate(rows, headers=["graph", "module", "op", "recipe", "rewritten", "shapes", "reason"])
-        summary = f"{len(self.rewritten)} of {len(self.sites)} sites rewritten"
-        return f"{table}\n{summary}"
+        total = f"{len(self.rewritten)} of {len(self.sites)} sites rewritten"
+        return "\n".join([table, *self.summary(), total])
+
+    def summary(self) -> list[str]:
+        """One line per graph and site kind: how many sites were rewritten, and which were not, why.
+
+        e.g. "graph 0: rewritten 14 of 15 linear sites; 1 left in high precision: lm_head — recipe
+        'none' (override 'lm_head')".
+        """
+        groups: dict[tuple[int, str], list[SiteRecord]] = {}
+        for s in self.sites:
+            groups.setdefault((s.graph, s.op), []).append(s)
+        lines = []
+        for (graph, op), sites in groups.items():
+            kept = [s for s in sites if not s.rewritten]
+            line = f"graph {graph}: rewritten {len(sites) - len(kept)} of {len(sites)} {op} sites"
+            if kept:
+                shown = ", ".join(f"{s.fqn or '<root>'} — {s.reason}" for s in kept[:_SHOWN])
+                more = f", and {len(kept) - _SHOWN} more (see the table)" if len(kept) > _SHOWN else ""
+                line += f"; {len(kept)} left in high precision: {shown}{more}"
+            lines.append(line)
+        return lines
 
 
 _REPORT = Report()

@@ -9,12 +9,15 @@ the graph module, so the compiled forward and backward update them in place (no 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["RoleState", "LinearState", "recipe_state_dict", "load_recipe_state_dict"]
+__all__ = ["RoleState", "LinearState", "IncompatibleKeys", "recipe_state_dict", "load_recipe_state_dict",
+           "amax_anchor"]
 
-# Roles that keep delayed-scaling state for a linear layer.
+# Roles that keep delayed-scaling state for a linear layer (lowerings/delayed_update.py's order).
 STATE_ROLES = ("input", "weight", "grad_output")
 FIELDS = ("scale", "amax_history")
 
@@ -37,6 +40,8 @@ class LinearState:
             )
             for role in STATE_ROLES
         }
+        # module paths of the linear sites that use this weight (the state's name in the state dict)
+        self.sites: list[str] = []
 
     def tensors(self) -> list[torch.Tensor]:
         """Flat list in the order the lowering takes them: per role (amax_history, scale)."""
@@ -47,6 +52,7 @@ class LinearState:
 
 
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 
 def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState:
@@ -63,66 +69,136 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
     return state
 
 
+def amax_anchor(device: torch.device) -> torch.Tensor:
+    """A scalar that requires grad, one per device, that compiled graphs take as an input so that
+    their amax carriers (lowerings/delayed_update.py) get a backward even when no weight requires
+    grad. Nothing ever writes a gradient into it."""
+    device = torch.device(device)
+    if device not in _ANCHORS:
+        _ANCHORS[device] = torch.zeros((), device=device, requires_grad=True)
+    return _ANCHORS[device]
+
+
 def _unwrap(model: torch.nn.Module) -> torch.nn.Module:
     # torch.compile returns an OptimizedModule whose parameters live in _orig_mod.
     return getattr(model, "_orig_mod", model)
 
 
-def _weights(model: torch.nn.Module):
-    """(state key prefix, parameter) for every parameter of the model: "fc" for fc.weight (the
-    module's FQN, as in TransformerEngine) and "block.w1" for any other parameter name."""
-    for module_name, module in _unwrap(model).named_modules():
+def _prefixes(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """State key prefix -> parameter, for every name a parameter of the model has: "fc" for fc.weight
+    (the module's FQN, as in TransformerEngine) and "block.w1" for any other parameter name. A tied
+    parameter has several."""
+    out = {}
+    for module_name, module in _unwrap(model).named_modules(remove_duplicate=False):
         for param_name, param in module.named_parameters(recurse=False):
             if param_name == "weight":
-                yield module_name, param
+                out.setdefault(module_name, param)
             else:
-                yield (f"{module_name}.{param_name}" if module_name else param_name), param
+                out.setdefault(f"{module_name}.{param_name}" if module_name else param_name, param)
+    return out
+
+
+def _state_names(model: torch.nn.Module) -> dict[str, LinearState]:
+    """One prefix per parameter that has state: among its names, the module of a linear site that
+    uses it (a tied ``lm_head.weight is embed.weight`` is keyed "lm_head"), else its first name."""
+    names: dict[int, list[str]] = {}
+    params = {}
+    for prefix, param in _prefixes(model).items():
+        if _STATES.get(param) is not None:
+            names.setdefault(id(param), []).append(prefix)
+            params[id(param)] = param
+    out = {}
+    for key, prefixes in names.items():
+        state = _STATES[params[key]]
+        used = [p for p in prefixes if p in state.sites]
+        out[(used or prefixes)[0]] = state
+    return out
+
+
+def _key(prefix: str, role: str, field_name: str) -> str:
+    return ".".join(p for p in (prefix, role, field_name) if p)  # root module: no prefix
 
 
 def recipe_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{"<fqn>.<role>.scale" | "<fqn>.<role>.amax_history": tensor}`` (copies) for every weight
-    of ``model`` (compiled wrapper or original module) that has delayed-scaling state."""
+    of ``model`` (compiled wrapper or original module) that has delayed-scaling state; one set of
+    keys per parameter, however many modules share it."""
     out = {}
-    for prefix, param in _weights(model):
-        state = _STATES.get(param)
-        if state is None:
-            continue
+    for prefix, state in _state_names(model).items():
         for role, rs in state.roles.items():
             for field_name in FIELDS:
-                key = ".".join(p for p in (prefix, role, field_name) if p)  # root module: no prefix
-                out[key] = getattr(rs, field_name).detach().clone()
+                out[_key(prefix, role, field_name)] = getattr(rs, field_name).detach().clone()
     return out
 
 
-def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:
+class IncompatibleKeys(NamedTuple):
+    """What ``load_recipe_state_dict(..., strict=False)`` did not match, as in nn.Module."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+
+
+def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
+                           strict: bool = True) -> IncompatibleKeys:
     """Copy saved state into ``model``'s state (in place, so compiled graphs see it), creating it
-    if the model has not been compiled or run yet. Unknown keys are an error."""
-    prefixes = dict(_weights(model))
-    by_prefix: dict[str, dict[tuple[str, str], torch.Tensor]] = {}
+    if the model has not been compiled or run yet.
+
+    Keys are matched as ``recipe_state_dict`` writes them (any name of a tied parameter is accepted).
+    ``missing_keys``: the keys of every weight that has state or is named in ``state_dict`` that
+    ``state_dict`` lacks; ``unexpected_keys``: keys that name no weight of the model or are not
+    "<fqn>.<role>.<field>". With ``strict`` (the default) either is an error naming the keys; a
+    value of the wrong shape is always an error. Nothing is copied when an error is raised.
+    """
+    prefixes = _prefixes(model)
+    unexpected, entries = [], {}   # id(param) -> {(role, field): (key, value)}
     for key, value in state_dict.items():
         parts = key.rsplit(".", 2)
         if len(parts) == 2:  # a weight of the root module: "<role>.<field>"
             parts = ["", *parts]
-        if len(parts) != 3 or parts[1] not in STATE_ROLES or parts[2] not in FIELDS:
-            raise ValueError(
-                f"load_recipe_state_dict: bad key {key!r}; keys are '<fqn>.<role>.<field>' with role "
-                f"in {STATE_ROLES} and field in {FIELDS}"
-            )
+        if len(parts) != 3 or parts[1] not in STATE_ROLES or parts[2] not in FIELDS or parts[0] not in prefixes:
+            unexpected.append(key)
+            continue
         prefix, role, field_name = parts
-        if prefix not in prefixes:
-            raise ValueError(f"load_recipe_state_dict: {key!r} names no weight of this model")
-        by_prefix.setdefault(prefix, {})[(role, field_name)] = value
-    for prefix, entries in by_prefix.items():
-        history = entries.get((STATE_ROLES[0], "amax_history"))
-        history_len = history.numel() if history is not None else 1024
-        state = state_for(prefixes[prefix], history_len, f"load_recipe_state_dict({prefix!r})")
-        for (role, field_name), value in entries.items():
-            target = getattr(state.roles[role], field_name)
-            if target.shape != value.shape:
-                raise ValueError(
-                    f"load_recipe_state_dict: {prefix}.{role}.{field_name} has shape "
-                    f"{tuple(value.shape)}, expected {tuple(target.shape)}"
-                )
-            with torch.no_grad():
-                target.copy_(value)
+        entries.setdefault(id(prefixes[prefix]), {})[(role, field_name)] = (key, value)
 
+    # Expected: every role and field of each weight that has state already or is being loaded,
+    # named as recipe_state_dict names it.
+    names: dict[int, str] = {}
+    for prefix, param in prefixes.items():
+        names.setdefault(id(param), prefix)
+    for prefix in _state_names(model):
+        names[id(prefixes[prefix])] = prefix
+        entries.setdefault(id(prefixes[prefix]), {})
+    missing = [_key(names[pid], role, f) for pid, given in entries.items()
+               for role in STATE_ROLES for f in FIELDS if (role, f) not in given]
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {missing}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {unexpected} (keys are '<fqn>.<role>.<field>' naming a weight "
+                        f"of this model, with role in {STATE_ROLES} and field in {FIELDS})")
+
+    params = {id(p): p for p in prefixes.values()}
+    loads = []
+    for pid, given in entries.items():
+        if not given:
+            continue
+        existing = _STATES.get(params[pid])
+        history = next((v for (_, f), (_, v) in given.items() if f == "amax_history"), None)
+        history_len = (existing.history_len if existing is not None
+                       else history.numel() if history is not None else 1024)
+        for (_, field_name), (key, value) in given.items():
+            expected = (history_len,) if field_name == "amax_history" else (1,)
+            if tuple(value.shape) != expected:
+                problems.append(f"{key} has shape {tuple(value.shape)}, expected {expected}")
+        loads.append((params[pid], history_len, names[pid], given))
+    if problems:
+        hint = " (strict=False loads the keys that match)" if strict and (missing or unexpected) else ""
+        raise RuntimeError("load_recipe_state_dict: " + "; ".join(problems) + hint)
+
+    for param, history_len, prefix, given in loads:
+        state = state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
+        for (role, field_name), (_, value) in given.items():
+            with torch.no_grad():
+                getattr(state.roles[role], field_name).copy_(value)
+    return IncompatibleKeys(missing, unexpected)

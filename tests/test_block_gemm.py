@@ -266,7 +266,7 @@ def test_self_test_passes_a_correct_path_and_catches_a_misplaced_scale(monkeypat
 @pytest.fixture
 def native_forced(monkeypatch):
     """The pass told that the device runs the format natively (on CPU the op runs its reference)."""
-    monkeypatch.setattr(passes, "native_block_gemm_support", lambda recipe, device, dtype: (True, "forced"))
+    monkeypatch.setattr(passes.linear, "native_block_gemm_support", lambda recipe, device, dtype: (True, "forced"))
 
 
 def _compiled_step(model, x, options):
@@ -296,7 +296,7 @@ def test_backend_routes_gemms_to_the_native_op(monkeypatch, native_forced, name,
     assert len(run_args) == 3 * len(report.sites) - 1, "every GEMM ran natively"
     for args in run_args:
         _check_cuda_contract(args)
-    monkeypatch.setattr(passes, "native_block_gemm_support", lambda recipe, device, dtype: (False, ""))
+    monkeypatch.setattr(passes.linear, "native_block_gemm_support", lambda recipe, device, dtype: (False, ""))
     y_ref, grads_ref, report_ref = _compiled_step(model, x, {"recipe": name, "compiler": "aot_eager"})
     assert all("emulated GEMMs" in s.reason for s in report_ref.sites)
     for what, ref, got in [("y", y_ref, y)] + [(f"grad {i}", a, b) for i, (a, b) in enumerate(zip(grads_ref, grads))]:
@@ -313,7 +313,7 @@ def test_self_test_runs_inside_the_backend_pass(monkeypatch):
         results.append(probe._self_test(recipe, torch.device(device), dtype))
         return results[-1] >= probe.MIN_SQNR_DB, ""
 
-    monkeypatch.setattr(passes, "native_block_gemm_support", support)
+    monkeypatch.setattr(passes.linear, "native_block_gemm_support", support)
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96), nn.GELU(), nn.Linear(96, 64))
     _, _, report = _compiled_step(model, torch.randn(4, 50, 64),

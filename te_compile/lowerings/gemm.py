@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
@@ -19,6 +20,19 @@ def uses_native_fp8_gemm(device: torch.device) -> bool:
     return bool(is_fp8_available(device=device))
 
 
+def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` (contiguous [R, C]) with the strides (C, 1) literally.
+
+    torch calls a tensor with a size-1 dim contiguous whatever that dim's stride, so ``.contiguous()``
+    keeps e.g. stride (1, 16) for a [16, 1] transpose of one token's gradient; inductor's _scaled_mm
+    lowering checks ``stride[-1] == 1`` as written and refuses it. A view with the canonical strides
+    reads the same elements.
+    """
+    if any(statically_known_true(d == 1) for d in t.shape):
+        return t.as_strided(t.shape, (t.shape[1], 1))
+    return t
+
+
 def fp8_gemm(
     a: torch.Tensor,          # fp8 [M, K], row-major
     b: torch.Tensor,          # fp8 [K, N], column-major (the transpose of a row-major [N, K])
@@ -31,6 +45,7 @@ def fp8_gemm(
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
     too, so callers must produce them; eager would accept any layout and hide the mistake.
     """
+    a, b = _row_major(a), _row_major(b.t()).t()
     sa = a_scale_inv.reshape(())
     sb = b_scale_inv.reshape(())
     if not uses_native_fp8_gemm(a.device):

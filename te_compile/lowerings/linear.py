@@ -30,8 +30,9 @@ class LinearSpec:
 
     fqn: str
     recipe: Recipe
-    weight_in_out: bool = False   # weight stored [in, out] (GPT-2 Conv1D / addmm) not [out, in]
+    weight_in_out: bool = False   # the call reads the weight as [in, out] (x @ W, HF Conv1D addmm)
     native_gemm: bool = False     # block recipes: GEMMs through F.scaled_mm (block_gemm_probe said yes)
+    weight_first: bool = False    # W @ x: y = (x.mT @ W.T).mT
 
 
 def gemm_kind(recipe: Recipe, native: bool = False, why: str = "") -> str:
@@ -47,11 +48,24 @@ def gemm_kind(recipe: Recipe, native: bool = False, why: str = "") -> str:
     return f"{fmt}, emulated GEMMs (dequantize-then-matmul{'; ' + why if why else ''})"
 
 
-class LinearLowering:
-    """Callable inserted into the FX graph for one site: ``(x, weight, bias, *state) -> y``.
+def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+    """The dtype autocast would run a linear in on ``x``'s device, or None outside autocast."""
+    device_type = x.device.type
+    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
+        return None
+    return torch.get_autocast_dtype(device_type)
 
-    x: [..., K]; weight: [N, K] (or [K, N] when ``spec.weight_in_out``); bias: [N] or None;
-    state: the delayed-scaling tensors of the site (empty otherwise). Returns [..., N].
+
+class LinearLowering:
+    """Callable inserted into the FX graph for one site: ``(x, weight, bias, *delayed) -> y``.
+
+    x: [..., K] ([..., K, M] or [K] when ``spec.weight_first``); weight: [N, K] (or [K, N] when
+    ``spec.weight_in_out``); bias: added to the product ([N], or any addend that broadcasts to y) or
+    None; delayed: DelayedScaling's (carrier or None, input scale, weight scale, grad_output scale),
+    see delayed_update.py, else empty. Returns [..., N] ([..., N, M] for ``weight_first``).
+
+    Under autocast the operands are cast to autocast's dtype first and the site computes in it, so
+    the output dtype (and every later op) matches eager's ``linear`` under the same autocast.
     """
 
     def __init__(self, spec: LinearSpec) -> None:
@@ -69,19 +83,34 @@ class LinearLowering:
         self.__module__ = __name__
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
-                 *state: torch.Tensor) -> torch.Tensor:
+                 *delayed: Optional[torch.Tensor]) -> torch.Tensor:
+        dtype = _autocast_dtype(x)
+        if dtype is None:
+            return self._linear(x, weight, bias, delayed)
+        x, weight = x.to(dtype), weight.to(dtype)
+        if bias is not None and bias.is_floating_point():
+            bias = bias.to(dtype)
+        with torch.autocast(x.device.type, enabled=False):
+            return self._linear(x, weight, bias, delayed)
+
+    def _linear(self, x, weight, bias, delayed) -> torch.Tensor:
+        if self.spec.weight_first and x.dim() > 1:
+            # W @ x = (x.mT @ W.T).mT; the site finder gives this form no addend
+            return self._x_wt(x.mT, weight, None, delayed).mT
+        return self._x_wt(x, weight, bias, delayed)
+
+    def _x_wt(self, x, weight, bias, delayed) -> torch.Tensor:
+        """x [..., K] @ w_nk.T (+ bias) -> [..., N]."""
         k = x.shape[-1]
         x2d = x.reshape(-1, k)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         if self._factory is not None:
             y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory, self.spec.native_gemm)
         else:
-            # A backward will run (and update the state) only if autograd records this call.
-            backward_follows = torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)
-            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, not backward_follows, *state)
-        if bias is not None:
-            y = y + bias
-        return y.reshape(*x.shape[:-1], w_nk.shape[0])
+            # current scaling: no carrier and no scales
+            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, *(delayed or (None,) * 4))
+        y = y.reshape(*x.shape[:-1], w_nk.shape[0])
+        return y if bias is None else y + bias
 
     def __repr__(self) -> str:
         native = ", native GEMMs" if self.spec.native_gemm else ""

@@ -1,105 +1,78 @@
-"""FX graph rewrites, applied in order by ``run_passes``; each pass changes the graph in place."""
+"""FX graph rewrites: ``run_passes`` applies ``PASSES`` in order to every graph of a Dynamo capture.
+
+The driver knows nothing about any site kind. It walks the graphs once (the top level and the HOP
+bodies inside it, ``graphs.graph_scopes``), runs each pass over each of them (a pass is a function
+``(ctx, scope) -> count`` that changes ``scope``'s graph in place and reports one row per site it
+saw through ``ctx.record``), lets the recipe state collected on the way wire itself in, and cleans up:
+dead-code elimination, lint and recompile of every graph.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.fx as fx
 
 from ..config import TeConfig
-from ..lowerings.block_gemm_probe import native_block_gemm_support, recipe_block_format
-from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..report import SiteRecord
-from ..state import state_for
-from .eligibility import linear_ineligibility, shape_str
-from .rewrite_linear import add_state_inputs, rewrite_linear
-from .sites import find_linear_sites
+from .delayed_state import DelayedState, ExtraInput
+from .graphs import GraphScope, graph_scopes
+from .linear import rewrite_linears
 
-__all__ = ["run_passes", "PassResult", "StateInput"]
+__all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
 
-@dataclass(frozen=True)
-class StateInput:
-    """Delayed-scaling state the compiled graph takes as extra inputs, after Dynamo's own: the
-    state of the weight at input ``weight_index``, looked up at every call (te_compile.state)."""
+@dataclass
+class PassContext:
+    """What every pass reads and adds to while the passes run over one Dynamo graph."""
 
-    weight_index: int
-    history_len: int
-    where: str   # the site, for error messages
+    config: TeConfig
+    graph_id: int
+    delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
+    _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
+
+    def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
+        """Report a site (call before rewriting ``node``): rows come out in the order the model runs."""
+        self._records.append((scope.order_key(node), record))
+
+    def records(self) -> list[SiteRecord]:
+        return [r for _, r in sorted(self._records, key=lambda kr: kr[0])]
+
+
+Pass = Callable[[PassContext, GraphScope], int]
+
+# The order matters once fusing passes exist: the norm and activation passes will fuse into the
+# quantization of the linears this pass creates, and attention runs last on what is left.
+PASSES: tuple[Pass, ...] = (
+    rewrite_linears,
+)
 
 
 @dataclass
 class PassResult:
     records: list[SiteRecord] = field(default_factory=list)
-    state_inputs: list[StateInput] = field(default_factory=list)
+    extra_inputs: list[ExtraInput] = field(default_factory=list)   # after Dynamo's, in order
+    counts: dict[str, int] = field(default_factory=dict)           # pass name -> sites rewritten
 
-    def state_tensors(self, args: Sequence) -> list[torch.Tensor]:
+    def extra_tensors(self, args: Sequence) -> list[torch.Tensor]:
         """The extra graph inputs for a call with Dynamo's ``args``."""
-        out = []
-        for s in self.state_inputs:
-            out += state_for(args[s.weight_index], s.history_len, s.where).tensors()
-        return out
-
-
-def _rewrite_linears(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-                     graph_id: int, result: PassResult) -> int:
-    placeholders = list(gm.graph.find_nodes(op="placeholder"))
-    input_index = {node: i for i, node in enumerate(placeholders)}
-    # Dynamo passes parameters as graph inputs: placeholder -> the nn.Parameter it receives.
-    params = {
-        node: value for node, value in zip(placeholders, example_inputs)
-        if isinstance(value, torch.nn.Parameter)
-    }
-    records = result.records
-    state_nodes_of: dict[fx.Node, list[fx.Node]] = {}  # weight -> its state inputs (one set per weight)
-    count = 0
-    for i, site in enumerate(find_linear_sites(gm, set(params))):
-        recipe, why = config.recipe_for(site.fqn)
-        record = dict(fqn=site.fqn, op="linear", shapes=shape_str(site), graph=graph_id)
-        if not config.rewrite.linear:
-            records.append(SiteRecord(recipe=None, rewritten=False, reason="[rewrite] linear = false", **record))
-            continue
-        if recipe is None:
-            records.append(SiteRecord(recipe=None, rewritten=False, reason=f"recipe 'none' ({why})", **record))
-            continue
-        weight = params.get(site.weight)
-        reason = linear_ineligibility(site, recipe, weight is not None)
-        if reason is not None:
-            records.append(SiteRecord(recipe=recipe.name, rewritten=False, reason=reason, **record))
-            continue
-        # Block formats: native GEMMs only where the device passes the probe (it may run a self-test).
-        native, gemm_why = False, ""
-        if recipe_block_format(recipe) is not None:
-            if config.native_block_gemm:
-                x = site.x.meta["example_value"]
-                native, gemm_why = native_block_gemm_support(recipe, x.device, x.dtype)
-            else:
-                gemm_why = "native_block_gemm = false"
-        lowering = LinearLowering(LinearSpec(site.fqn, recipe, site.weight_in_out, native))
-        state_nodes = []
-        if recipe.delayed():
-            if site.weight not in state_nodes_of:
-                state = StateInput(input_index[site.weight], recipe.amax_history_len, site.fqn or "<root>")
-                # Created now (validating the length); the wrapper passes its tensors at each call.
-                tensors = state_for(weight, state.history_len, state.where).tensors()
-                result.state_inputs.append(state)
-                state_nodes_of[site.weight] = add_state_inputs(gm, f"te_state_{i}", len(tensors))
-            state_nodes = state_nodes_of[site.weight]
-        count += rewrite_linear(gm, site, lowering, state_nodes)
-        how = f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why)} ({why})"
-        records.append(SiteRecord(recipe=recipe.name, rewritten=True, reason=how, **record))
-    return count
+        return [t for extra in self.extra_inputs for t in extra.tensors(args)]
 
 
 def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                graph_id: int = 0) -> PassResult:
-    """Apply the rewrites to ``gm`` in place; return one record per site seen and the weights
-    whose recipe state the graph now holds."""
-    result = PassResult()
-    _rewrite_linears(gm, example_inputs, config, graph_id, result)
-    gm.graph.eliminate_dead_code()
-    gm.graph.lint()
-    gm.recompile()
-    return result
+    """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
+    seen and the extra inputs the rewritten graph takes."""
+    scopes = graph_scopes(gm, example_inputs)
+    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs))
+    counts = {}
+    for rewrite in PASSES:
+        counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)
+    extra_inputs = ctx.delayed.finish()
+    for scope in scopes:
+        scope.graph.eliminate_dead_code()
+        scope.graph.lint()
+        scope.gm.recompile()
+    return PassResult(ctx.records(), extra_inputs, counts)

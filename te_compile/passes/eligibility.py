@@ -44,12 +44,14 @@ def shape_str(site: LinearSite) -> str:
         return f"{name}[{', '.join(str(d) for d in v.shape)}]" if v is not None else f"{name}[?]"
 
     parts = [one("x", site.x), one("w", site.weight)]
+    if site.param is not None and site.param.name != ".".join(p for p in (site.fqn, "weight") if p):
+        parts[-1] += f"={site.param.name}"   # a weight from elsewhere: tied, shared, a root parameter
     if site.bias is not None:
         parts.append(one("b", site.bias))
     return " ".join(parts)
 
 
-def linear_ineligibility(site: LinearSite, recipe: Recipe, weight_is_param: bool) -> Optional[str]:
+def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     x, w = _value(site.x), _value(site.weight)
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
@@ -57,6 +59,8 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe, weight_is_param: bool
         return f"weight must be 2-D, got {w.dim()}-D"
     if x.dim() < 1:
         return "input is a scalar"
+    if any(statically_known_true(d == 0) for d in x.shape):
+        return f"input {list(x.shape)} is empty: nothing to quantize (eager's result, exactly)"
     if x.dtype not in _FLOAT_DTYPES or w.dtype not in _FLOAT_DTYPES:
         return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in _FLOAT_DTYPES]}"
     if x.device.type not in _DEVICES:
@@ -68,7 +72,7 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe, weight_is_param: bool
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
         if not _divisible(dim, align):
             return f"{name}={dim} is not divisible by {align} ({why})"
-    if recipe.delayed() and not weight_is_param:
+    if recipe.delayed() and site.param is None:
         return ("DelayedScaling keeps its state per weight parameter; this weight is computed "
                 "in the graph")
     return None

@@ -1,14 +1,28 @@
-"""Find linear sites in a Dynamo FX graph and name the module each belongs to."""
+"""Find linear sites in one graph: every matmul-like call with a weight, and name its module.
+
+A linear site is ``F.linear(x, w, b)`` with any weight, or a matmul whose one operand is a 2-D
+parameter, reached directly or through transposes and dtype casts, and whose other operand is an
+activation:
+
+    x @ W.T + b   x @ W.t()   torch.matmul(x, W.transpose(0, 1))   F.linear(x, W.to(x.dtype))
+    x @ W (W stored [in, out])   torch.addmm(b, x, W) (HF Conv1D)   torch.mm(x, W)   W @ x
+    torch.baddbmm(b, x, W.expand(B, K, N))   torch.bmm(x, W.expand(B, K, N))
+
+A matmul-like call with a parameter operand in any other form (einsum, a batched parameter, two
+parameters, addmm with alpha/beta) is returned too, with ``unsupported`` saying why, so the report
+lists it: a layer the report does not show does not exist.
+"""
 
 from __future__ import annotations
 
 import operator
-import re
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.fx as fx
+
+from .graphs import GraphScope, ParamRef, normalize_path
 
 __all__ = ["LinearSite", "module_fqn", "find_linear_sites"]
 
@@ -16,33 +30,33 @@ __all__ = ["LinearSite", "module_fqn", "find_linear_sites"]
 @dataclass
 class LinearSite:
     node: fx.Node               # the call to replace
-    x: fx.Node                  # activation [..., K]
-    weight: fx.Node             # [N, K], or [K, N] when weight_in_out
-    bias: Optional[fx.Node]     # [N] or None
-    weight_in_out: bool         # matmul/addmm against a stored [in, out] weight (HF Conv1D)
+    x: fx.Node                  # activation [..., K] (weight_first: [..., K, M], or [K])
+    weight: fx.Node             # the weight as the call reads it: [N, K], or [K, N] when weight_in_out
+    param: Optional[ParamRef]   # the parameter behind ``weight`` (through transposes, casts); None: computed
+    bias: Optional[fx.Node]     # added to the product: [N] for linear, any broadcastable addend for addmm
+    weight_in_out: bool         # the call reads the weight as [in, out] (x @ W, x @ W.t(), HF Conv1D)
     fqn: str                    # module path as named_modules() gives it
-    op_name: str                # the graph op, for reports: "linear", "addmm", "matmul"
+    op_name: str                # the graph op, for reports: "linear", "addmm", "matmul", ...
+    weight_first: bool = False  # W @ x: the weight is the left operand (y = (x.mT @ W.T).mT)
+    unsupported: Optional[str] = None   # why this matmul with a parameter operand is not lowered
 
 
-_ROOT = re.compile(r"^L\['[^']*'\]\.?")
-_ITEM = re.compile(r"\[\s*'?([^\]']+)'?\s*\]")
-_GETATTR = re.compile(r"getattr\((.*), '([^']*)'\)$")
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_MATMUL_FNS = (torch.matmul, operator.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+_MATMUL_METHODS = ("matmul", "mm", "__matmul__")
+_ADDMM_FNS = (torch.addmm, torch.Tensor.addmm)
+_BMM_FNS = (torch.bmm, torch.Tensor.bmm)
+_BADDBMM_FNS = (torch.baddbmm, torch.Tensor.baddbmm)
+_OTHER_MATMULS = {torch.einsum: "einsum", torch.functional.einsum: "einsum", torch.tensordot: "tensordot",
+                  torch.inner: "inner", torch.mv: "mv", torch.addmv: "addmv", torch.outer: "outer",
+                  torch.nn.functional.bilinear: "bilinear"}
 
-
-def _normalize_path(path: str) -> str:
-    """Dynamo's source names -> named_modules() names.
-
-    "L['self'].blocks.0.mlp.fc" -> "blocks.0.mlp.fc"; "L['self']._modules['h'][0]" -> "h.0";
-    "getattr(L['self'].layers, '0')" -> "layers.0".
-    """
-    m = _GETATTR.match(path)
-    while m:
-        path = f"{m.group(1)}.{m.group(2)}"
-        m = _GETATTR.match(path)
-    path = _ROOT.sub("", path)
-    path = path.replace("._modules", "").replace("_modules", "")
-    path = _ITEM.sub(r".\1", path)
-    return path.strip(".").replace("..", ".")
+# Single-input ops that keep a weight the same weight: transposes (the call then reads it the other
+# way round) and dtype casts (the call reads the cast copy; gradients flow back through it).
+_TRANSPOSE_METHODS = ("t", "transpose", "permute", "swapaxes", "swapdims")
+_CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "detach")
+# Views that broadcast a 2-D weight over a batch dim for bmm / baddbmm.
+_BROADCAST_METHODS = ("expand", "expand_as", "broadcast_to", "unsqueeze")
 
 
 def module_fqn(node: fx.Node) -> str:
@@ -51,36 +65,172 @@ def module_fqn(node: fx.Node) -> str:
     if not stack:
         return ""
     path, _ = list(stack.values())[-1]
-    return _normalize_path(path)
+    return normalize_path(path)
 
 
-def find_linear_sites(gm: fx.GraphModule, params: set[fx.Node]) -> list[LinearSite]:
-    """Every linear-like call: ``F.linear(x, w, b)``; ``addmm(b, x, w)`` and ``matmul(x, w)`` /
-    ``x @ w`` where ``w`` is a 2-D parameter stored [in, out] (``params``: placeholder nodes that
-    are ``nn.Parameter``s)."""
-    sites = []
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
-            continue
-        if node.target in (torch._C._nn.linear, torch.nn.functional.linear):
-            x, w = node.args[0], node.args[1]
-            b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            sites.append(LinearSite(node, x, w, b, False, module_fqn(node), "linear"))
-        elif node.target is torch.addmm and len(node.args) == 3 and not node.kwargs:
-            b, x, w = node.args
-            if w in params and _is_vector(b):
-                sites.append(LinearSite(node, x, w, b, True, module_fqn(node), "addmm"))
-        elif node.target in (torch.matmul, operator.matmul) and len(node.args) == 2:
-            x, w = node.args
-            if w in params and _rank(w) == 2:
-                sites.append(LinearSite(node, x, w, None, True, module_fqn(node), "matmul"))
-    return sites
+def _value(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
 
 
 def _rank(node) -> int:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value.dim() if isinstance(value, torch.Tensor) else -1
+    value = _value(node)
+    return value.dim() if value is not None else -1
 
 
-def _is_vector(node) -> bool:
-    return _rank(node) == 1
+def _method(node: fx.Node) -> Optional[str]:
+    """The name of a tensor method call (call_method, or call_function on torch / Tensor / getattr)."""
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        if node.target is getattr and len(node.args) == 2 and node.args[1] in ("T", "mT"):
+            return "t"
+        name = getattr(node.target, "__name__", None)
+        if node.target in (torch.t, torch.transpose, torch.permute, torch.swapaxes, torch.unsqueeze,
+                           torch.broadcast_to, torch.Tensor.to, torch.Tensor.t, torch.Tensor.transpose,
+                           torch.Tensor.expand, torch.Tensor.type_as, torch.Tensor.float,
+                           torch.Tensor.contiguous):
+            return name
+    return None
+
+
+def _is_2d_transpose(node: fx.Node) -> bool:
+    """t(), .T, transpose of the two dims of a 2-D tensor, permute(1, 0)."""
+    if _rank(node) != 2:
+        return False
+    name = _method(node)
+    if name in ("t", "T", "mT"):
+        return True
+    dims = [a for a in node.args[1:]]
+    if name in ("transpose", "swapaxes", "swapdims"):
+        return len(dims) == 2 and {d % 2 for d in dims if isinstance(d, int)} == {0, 1}
+    if name == "permute":
+        flat = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
+        return [d % 2 for d in flat if isinstance(d, int)] == [1, 0]
+    return False
+
+
+def _param_behind(node, params: dict[fx.Node, ParamRef]) -> tuple[Optional[ParamRef], bool]:
+    """(the parameter ``node`` is a transposed / cast copy of, an odd number of transposes?)."""
+    flipped = False
+    while isinstance(node, fx.Node):
+        if node in params:
+            return params[node], flipped
+        if node.op not in ("call_method", "call_function") or not node.args:
+            break
+        name = _method(node)
+        if name in _CAST_METHODS:
+            node = node.args[0]
+        elif name in _TRANSPOSE_METHODS and _is_2d_transpose(node):
+            flipped = not flipped
+            node = node.args[0]
+        else:
+            break
+    return None, flipped
+
+
+def _unbroadcast(node) -> Optional[fx.Node]:
+    """The 2-D tensor a 3-D bmm operand broadcasts over its batch dim, or None."""
+    while isinstance(node, fx.Node) and _rank(node) != 2:
+        if _method(node) not in _BROADCAST_METHODS or not node.args:
+            return None
+        node = node.args[0]
+    return node if isinstance(node, fx.Node) else None
+
+
+def _reaches_param(node, params) -> bool:
+    """Does ``node`` carry a parameter through views, casts and broadcasts?"""
+    while isinstance(node, fx.Node):
+        if node in params:
+            return True
+        name = _method(node)
+        if name not in (*_CAST_METHODS, *_TRANSPOSE_METHODS, *_BROADCAST_METHODS) or not node.args:
+            return False
+        node = node.args[0]
+    return False
+
+
+def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]:
+    """A site for ``x @ w (+ bias)`` where one operand is a parameter; None when neither is."""
+    w_param, _ = _param_behind(w, params)
+    x_param, _ = _param_behind(x, params)
+    if w_param is None and x_param is None:
+        if _reaches_param(w, params) or _reaches_param(x, params):
+            return LinearSite(node, x, w, None, bias, True, fqn, op_name,
+                              unsupported=f"{op_name} with a parameter reached through other ops")
+        return None
+    if w_param is not None and x_param is not None:
+        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name,
+                          unsupported=f"{op_name} of two parameters ({x_param.name}, {w_param.name}): "
+                                      "no activation operand")
+    if w_param is not None:
+        if _rank(w) != 2:
+            return LinearSite(node, x, w, w_param, bias, True, fqn, op_name,
+                              unsupported=f"parameter operand {w_param.name} is {_rank(w)}-D, not 2-D")
+        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name)
+    # W @ x: the weight is [N, K] as read, x [..., K, M]
+    if _rank(x) != 2:
+        return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
+                          unsupported=f"parameter operand {x_param.name} is {_rank(x)}-D, not 2-D")
+    if bias is not None:
+        return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
+                          unsupported=f"{op_name} with the parameter as its left operand and an addend")
+    return LinearSite(node, w, x, x_param, None, False, fqn, op_name, weight_first=True)
+
+
+def _site(node: fx.Node, params: dict[fx.Node, ParamRef]) -> Optional[LinearSite]:
+    fqn = module_fqn(node)
+    target = node.target
+    if node.op == "call_function" and target in _LINEAR:
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        param, _ = _param_behind(w, params)
+        return LinearSite(node, x, w, param, b, False, fqn, "linear")
+    is_call = node.op == "call_function"
+    if (is_call and target in _MATMUL_FNS) or (node.op == "call_method" and target in _MATMUL_METHODS):
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        return _matmul_site(node, node.args[0], node.args[1], None, "matmul", fqn, params)
+    if is_call and target in _ADDMM_FNS:
+        b, x, w = node.args[:3]
+        site = _matmul_site(node, x, w, b, "addmm", fqn, params)
+        if site is not None and (len(node.args) > 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))):
+            site.unsupported = "addmm with beta or alpha other than 1"
+        return site
+    if is_call and target in (*_BMM_FNS, *_BADDBMM_FNS):
+        baddbmm = target in _BADDBMM_FNS
+        b, x, w = node.args[:3] if baddbmm else (None, *node.args[:2])
+        w2 = _unbroadcast(w)
+        site = None
+        if w2 is not None and _param_behind(w2, params)[0] is not None and _rank(x) == 3:
+            site = _matmul_site(node, x, w2, b, target.__name__, fqn, params)
+        elif _reaches_param(w, params) or _reaches_param(x, params):
+            site = LinearSite(node, x, w, None, b, True, fqn, target.__name__,
+                              unsupported=f"{target.__name__} with a batched parameter operand")
+        if site is not None and baddbmm and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+            site.unsupported = "baddbmm with beta or alpha other than 1"
+        return site
+    if is_call and target in _OTHER_MATMULS:
+        operands = [a for a in node.args if isinstance(a, fx.Node)]
+        if any(_reaches_param(a, params) for a in operands):
+            name = _OTHER_MATMULS[target]
+            return LinearSite(node, operands[0], operands[-1], None, None, False, fqn, name,
+                              unsupported=f"{name} with a parameter operand is not lowered")
+    return None
+
+
+def find_linear_sites(scope: GraphScope) -> list[LinearSite]:
+    """Every linear-like call of ``scope``'s graph, in graph order (see the module docstring)."""
+    sites = []
+    for node in scope.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        site = _site(node, scope.params)
+        if site is None:
+            continue
+        if site.fqn == "" and site.param is not None and "." in site.param.name:
+            # A root-level call on a submodule's weight (F.linear(h, self.wte.weight)): name the site
+            # after the module that owns the weight.
+            site.fqn = site.param.name.rsplit(".", 1)[0]
+        sites.append(site)
+    return sites

@@ -1,0 +1,110 @@
+"""One delayed-scaling state update per compiled graph and training step, however many call sites.
+
+DelayedScaling quantizes step t with the scales computed from the amaxes of steps <= t-1, so every
+call site in a step must read the state as it was before the step, and the state must advance once:
+a layer called twice (a shared block, a tied weight in a loop) contributes the max of its calls'
+amaxes, as TransformerEngine's amax buffer does, not two history entries. And the update must wait
+until nothing reads the old scales any more, including a backward that recomputes a checkpointed
+forward.
+
+The mechanism is a node at the start of the graph, ``DelayedScalingUpdate(spec)(anchor, *state)``,
+whose outputs are tiny "amax carriers" (zeros, [3]), one per call site. Each site's lowering takes its
+carrier as an input and returns its amaxes (input, weight, grad_output) as the carrier's *gradient*.
+Autograd runs the update node's backward only when every carrier's gradient is in, i.e. after the
+backward of every site (recomputation included), and that backward pushes each weight's combined
+amaxes into its histories and computes the next scales, in place. A forward without a backward
+(evaluation, ``torch.no_grad()``, ``inference_mode``) never runs it: evaluation leaves the state
+unchanged, as TransformerEngine skips amax updates when not training.
+
+``anchor`` is a tensor that requires grad (te_compile.state.amax_anchor), so that the carriers do
+even where no weight does (frozen weights); the update returns no gradient for it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..recipe import DelayedScaling
+from ..scaling import delayed_scale_from_history, update_amax_history
+
+__all__ = ["DelayedScalingUpdate", "UpdateSpec", "ROLES", "update_role_state"]
+
+# The roles whose amaxes a carrier's gradient holds, in order; each has (amax_history, scale) state.
+ROLES = ("input", "weight", "grad_output")
+TENSORS_PER_WEIGHT = 2 * len(ROLES)
+
+
+def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
+                      recipe: DelayedScaling) -> None:
+    """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place.
+
+    A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
+    so the history stays finite and scaling follows the data again from the next finite step.
+    """
+    finite = torch.isfinite(amax)
+    new_history = update_amax_history(history, torch.where(finite, amax, torch.zeros_like(amax)))
+    new_scale = delayed_scale_from_history(
+        new_history, scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
+        amax_compute_algo=recipe.amax_compute_algo,
+        scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe,
+    )
+    new_scale = torch.where(finite, new_scale, scale)
+    history.copy_(new_history)
+    scale.copy_(new_scale)
+
+
+@dataclass(frozen=True)
+class UpdateSpec:
+    """Which weights a graph keeps state for and which weight each carrier (call site) belongs to."""
+
+    recipes: tuple[DelayedScaling, ...]   # per weight, in the order of the state tensors
+    site_weights: tuple[int, ...]         # per carrier: index into ``recipes``
+
+
+class _AmaxCarriers(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, spec: UpdateSpec, anchor, *state):
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)  # a site whose backward never ran contributes nothing
+        ctx.save_for_backward(*state)
+        device = state[0].device
+        return tuple(torch.zeros(len(ROLES), dtype=torch.float32, device=device) for _ in spec.site_weights)
+
+    @staticmethod
+    def backward(ctx, *site_amaxes):
+        spec, state = ctx.spec, ctx.saved_tensors
+        for j, recipe in enumerate(spec.recipes):
+            amaxes = [a for a, w in zip(site_amaxes, spec.site_weights) if w == j and a is not None]
+            if not amaxes:
+                continue
+            # max over the call sites of this weight; a NaN in any of them stays NaN (non-finite)
+            amax = torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0]
+            tensors = state[j * TENSORS_PER_WEIGHT:(j + 1) * TENSORS_PER_WEIGHT]
+            for r, role in enumerate(ROLES):
+                update_role_state(tensors[2 * r], tensors[2 * r + 1], amax[r:r + 1], role, recipe)
+        return (None, None) + (None,) * len(state)
+
+
+class DelayedScalingUpdate:
+    """Callable inserted at the start of a graph: ``(anchor, *state) -> carriers``, one per site.
+
+    state: per weight, per role in ROLES, (amax_history [L], scale [1]) — the order of
+    ``te_compile.state.LinearState.tensors()``.
+    """
+
+    def __init__(self, spec: UpdateSpec) -> None:
+        self.spec = spec
+        self.__name__ = "te_delayed_scaling_update"  # FX codegen names the call after it
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, anchor: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if len(state) != TENSORS_PER_WEIGHT * len(self.spec.recipes):
+            raise ValueError(f"expected {TENSORS_PER_WEIGHT} state tensors for each of "
+                             f"{len(self.spec.recipes)} weights, got {len(state)}")
+        return _AmaxCarriers.apply(self.spec, anchor, *state)
+
+    def __repr__(self) -> str:
+        return f"DelayedScalingUpdate({len(self.spec.recipes)} weights, {len(self.spec.site_weights)} sites)"

@@ -1,0 +1,144 @@
+"""DelayedScaling state as extra inputs of a compiled graph, and the graph's one update node.
+
+Dynamo reuses one compiled graph for every instance of a module class, so state cannot be baked into
+the graph: each stateful weight gets six extra placeholders (per role: amax_history [L], scale [1]),
+appended after Dynamo's inputs, and the backend's wrapper passes that weight's tensors
+(te_compile.state) at every call. Sites read only the scales; the update happens once per graph and
+step in ``DelayedScalingUpdate`` (lowerings/delayed_update.py), a node placed at the start of the
+top-level graph whose outputs, one amax carrier per site with a backward, the sites take as inputs.
+Sites inside HOP bodies (checkpointed blocks) get their scales and carrier lifted in as operands.
+"""
+
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+
+from ..lowerings.delayed_update import ROLES, DelayedScalingUpdate, UpdateSpec
+from ..recipe import DelayedScaling
+from ..state import amax_anchor, state_for
+from .graphs import GraphScope, ParamRef
+
+__all__ = ["StateInput", "AnchorInput", "DelayedState"]
+
+
+@dataclass(frozen=True)
+class StateInput:
+    """The state of the weight at Dynamo input ``weight_index``: six extra inputs, looked up per call."""
+
+    weight_index: int
+    history_len: int
+    where: str   # the site, for error messages
+
+    def tensors(self, args: Sequence) -> list[torch.Tensor]:
+        return state_for(args[self.weight_index], self.history_len, self.where).tensors()
+
+
+@dataclass(frozen=True)
+class AnchorInput:
+    """The requires-grad scalar the update node hangs off (te_compile.state.amax_anchor)."""
+
+    device: torch.device
+
+    def tensors(self, args: Sequence) -> list[torch.Tensor]:
+        return [amax_anchor(self.device)]
+
+
+ExtraInput = Union[StateInput, AnchorInput]
+
+
+@dataclass
+class _Weight:
+    index: int                  # position among the graph's stateful weights
+    recipe: DelayedScaling
+    fqn: str                    # the first site using it
+    nodes: list[fx.Node]        # its six top-level placeholders, in LinearState.tensors() order
+
+
+@dataclass
+class DelayedState:
+    """Collects what DelayedScaling sites need while the passes run; ``finish`` wires the update."""
+
+    top: GraphScope
+    example_inputs: Sequence
+    inputs: list[ExtraInput] = field(default_factory=list)   # in placeholder order
+    _weights: dict[int, _Weight] = field(default_factory=dict)   # id(parameter) -> its entry
+    _anchor: Optional[fx.Node] = None
+    _update: Optional[fx.Node] = None
+    _carriers: list[fx.Node] = field(default_factory=list)
+    _site_weights: list[int] = field(default_factory=list)
+
+    def site_inputs(self, scope: GraphScope, param: ParamRef, recipe: DelayedScaling, fqn: str,
+                    needs_carrier: bool) -> Union[list, str]:
+        """The site's extra lowering arguments in ``scope``'s graph: (carrier or None, input scale,
+        weight scale, grad_output scale); or why the site cannot have them."""
+        weight = self._weights.get(id(param.value))
+        if weight is None:
+            where = fqn or "<root>"
+            state = state_for(param.value, recipe.amax_history_len, where)  # validates the length
+            if fqn not in state.sites:
+                state.sites.append(fqn)
+            self.inputs.append(StateInput(param.index, recipe.amax_history_len, where))
+            nodes = self._placeholders(f"te_state_{len(self._weights)}", state.tensors())
+            weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes)
+        elif weight.recipe != recipe:
+            return (f"its weight {param.name} is also used by {weight.fqn or '<root>'} under another "
+                    f"DelayedScaling config; one weight keeps one state")
+        carrier = None
+        if needs_carrier:
+            carrier = scope.lift(self._new_carrier(weight, param), f"te_amax_carrier_{len(self._carriers) - 1}")
+        scales = [scope.lift(weight.nodes[2 * r + 1], f"{weight.nodes[2 * r + 1].name}_in")
+                  for r in range(len(ROLES))]
+        return [carrier, *scales]
+
+    def finish(self) -> list[ExtraInput]:
+        """Give the update node its final spec and arguments; returns the extra inputs in order."""
+        if self._update is not None:
+            weights = sorted(self._weights.values(), key=lambda w: w.index)
+            self._update.target = DelayedScalingUpdate(
+                UpdateSpec(tuple(w.recipe for w in weights), tuple(self._site_weights)))
+            self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
+        return self.inputs
+
+    # ---- graph edits (all in the top-level graph) ----
+
+    def _placeholders(self, prefix: str, tensors: list[torch.Tensor]) -> list[fx.Node]:
+        """Placeholders after the existing inputs, with static-shape example values."""
+        graph = self.top.graph
+        last = self.top.placeholders()[-1]
+        fake_mode = detect_fake_mode(self.example_inputs)
+        nodes = []
+        for i, t in enumerate(tensors):
+            with graph.inserting_after(last):
+                last = graph.placeholder(f"{prefix}_{i}")
+            # aot_autograd reads every placeholder's Dynamo source; None marks an input that does not
+            # come from user code (as DDPOptimizer's split graphs do).
+            last._dynamo_source = None
+            if fake_mode is not None:
+                last.meta["example_value"] = fake_mode.from_tensor(t, static_shapes=True)
+            nodes.append(last)
+        return nodes
+
+    def _new_carrier(self, weight: _Weight, param: ParamRef) -> fx.Node:
+        graph = self.top.graph
+        if self._update is None:
+            [self._anchor] = self._placeholders("te_amax_anchor", [amax_anchor(param.value.device)])
+            self.inputs.append(AnchorInput(param.value.device))
+            first_op = next(n for n in graph.nodes if n.op != "placeholder")
+            with graph.inserting_before(first_op):
+                # target and args are final only in finish(), once every site is known
+                self._update = graph.call_function(DelayedScalingUpdate(UpdateSpec((), ())), ())
+        with graph.inserting_after(self._carriers[-1] if self._carriers else self._update):
+            carrier = graph.call_function(operator.getitem, (self._update, len(self._carriers)))
+        fake_mode = detect_fake_mode(self.example_inputs)
+        if fake_mode is not None:
+            with fake_mode:
+                carrier.meta["example_value"] = torch.zeros(len(ROLES), device=param.value.device)
+        self._carriers.append(carrier)
+        self._site_weights.append(weight.index)
+        return carrier
