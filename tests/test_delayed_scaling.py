@@ -4,14 +4,16 @@ checkpoint/resume bit for bit, separate models keep separate state."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 import te_compile
 from te_compile.scaling import FLT_MAX
-from utils import assert_bitwise_equal, assert_sqnr_at_least
+from utils import AotGraphs, assert_bitwise_equal, assert_sqnr_at_least, count_calls, sqnr
 
 E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 HISTORY = 3
@@ -101,21 +103,40 @@ def test_weight_grads_track_fp32_without_saturation(steps):
         assert_sqnr_at_least(step["g"].t() @ step["x"], step["dw"], 20.0, f"step {t} weight grad vs fp32")
 
 
+def _input_state(layer):
+    sd = te_compile.recipe_state_dict(layer)
+    return sd["input.scale"].item(), sd["input.amax_history"].tolist()
+
+
 def test_zero_and_nonfinite_amax_keep_previous_scale():
     torch._dynamo.reset()
     layer = nn.Linear(16, 16)
     compiled = torch.compile(layer, backend="te", options={**OPTIONS, "amax_history_len": 1})
-    compiled(torch.full((2, 16), 2.0)).sum().backward()
-    assert te_compile.recipe_state_dict(layer)["input.scale"].item() == 224.0
-    with torch.no_grad():
-        compiled(torch.zeros(2, 16))          # amax 0: keep 224
-    assert te_compile.recipe_state_dict(layer)["input.scale"].item() == 224.0
-    with torch.no_grad():
-        compiled(torch.full((2, 16), float("inf")))  # amax inf: keep 224
-    assert te_compile.recipe_state_dict(layer)["input.scale"].item() == 224.0
-    with torch.no_grad():
-        compiled(torch.full((2, 16), 1e-44))   # 448 / tiny overflows: FLT_MAX
-    assert te_compile.recipe_state_dict(layer)["input.scale"].item() == FLT_MAX
+
+    def step(value):
+        compiled(torch.full((2, 16), value)).sum().backward()
+        return _input_state(layer)
+
+    assert step(2.0) == (224.0, [2.0])
+    assert step(0.0) == (224.0, [0.0])                  # amax 0: keep 224
+    assert step(float("inf")) == (224.0, [0.0])         # amax inf: keep 224, the history stays finite
+    assert step(float("nan")) == (224.0, [0.0])         # amax NaN: the same
+    assert step(1e-44)[0] == FLT_MAX                     # 448 / tiny overflows: FLT_MAX
+
+
+def test_scaling_follows_the_data_again_right_after_a_nan_step():
+    """TransformerEngine's rule: a non-finite amax keeps the previous scale and never enters the
+    history, so one NaN batch does not freeze the scale for amax_history_len steps."""
+    torch._dynamo.reset()
+    layer = nn.Linear(16, 16)
+    compiled = torch.compile(layer, backend="te", options={**OPTIONS, "amax_history_len": 3})
+    scales = []
+    for value in (2.0, float("nan"), 8.0):
+        compiled(torch.full((2, 16), value)).sum().backward()
+        scale, history = _input_state(layer)
+        assert all(math.isfinite(h) for h in history), history
+        scales.append(scale)
+    assert scales == [224.0, 224.0, 56.0]
 
 
 class MLP(nn.Module):
@@ -175,9 +196,165 @@ def test_checkpoint_resume_is_bitwise_and_models_do_not_share_state():
     assert not torch.equal(without, expected)
 
 
-def test_load_recipe_state_dict_rejects_unknown_keys():
+def test_load_recipe_state_dict_names_unexpected_missing_and_misshapen_keys():
+    torch._dynamo.reset()
     model = MLP()
-    with pytest.raises(ValueError, match="names no weight of this model"):
-        te_compile.load_recipe_state_dict(model, {"nope.input.scale": torch.ones(1)})
-    with pytest.raises(ValueError, match="role in"):
-        te_compile.load_recipe_state_dict(model, {"fc.activation.scale": torch.ones(1)})
+    compiled = torch.compile(model, backend="te", options=OPTIONS)
+    compiled(torch.randn(4, 32)).sum().backward()
+    good = te_compile.recipe_state_dict(model)
+    assert len(good) == 2 * 6
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['nope.input.scale'\]"):
+        te_compile.load_recipe_state_dict(model, {**good, "nope.input.scale": torch.ones(1)})
+    with pytest.raises(RuntimeError, match=r"unexpected keys \['fc.activation.scale'\].*role in"):
+        te_compile.load_recipe_state_dict(model, {**good, "fc.activation.scale": torch.ones(1)})
+    partial = {k: v for k, v in good.items() if k != "proj.grad_output.scale"}
+    with pytest.raises(RuntimeError, match=r"missing keys \['proj.grad_output.scale'\]"):
+        te_compile.load_recipe_state_dict(model, partial)
+    only_fc = {k: v for k, v in good.items() if k.startswith("fc.")}
+    with pytest.raises(RuntimeError, match=r"missing keys \['proj.input.scale', "):
+        te_compile.load_recipe_state_dict(model, only_fc)
+    with pytest.raises(RuntimeError, match=r"fc.input.amax_history has shape \(5,\), expected \(3,\)"):
+        te_compile.load_recipe_state_dict(model, {**good, "fc.input.amax_history": torch.zeros(5)})
+
+    # Nothing was copied by the calls that raised; strict=False loads what matches and says the rest.
+    assert all(torch.equal(v, good[k]) for k, v in te_compile.recipe_state_dict(model).items())
+    changed = {"fc.input.scale": torch.full((1,), 7.0), "nope.input.scale": torch.ones(1)}
+    result = te_compile.load_recipe_state_dict(model, changed, strict=False)
+    assert result.unexpected_keys == ["nope.input.scale"]
+    assert len(result.missing_keys) == 2 * 6 - 1 and "fc.input.scale" not in result.missing_keys
+    assert te_compile.recipe_state_dict(model)["fc.input.scale"].item() == 7.0
+
+
+def test_loading_into_a_model_without_state_needs_every_key_of_the_weights_it_names():
+    model = MLP()
+    with pytest.raises(RuntimeError, match=r"missing keys \['fc.input.amax_history', "):
+        te_compile.load_recipe_state_dict(model, {"fc.input.scale": torch.ones(1)})
+    assert te_compile.recipe_state_dict(model) == {}
+
+
+class SharedLayer(nn.Module):
+    """One linear called twice in a forward (a shared block)."""
+
+    def __init__(self):
+        super().__init__()
+        self.layer = nn.Linear(16, 16, bias=False)
+
+    def forward(self, x1, x2):
+        return self.layer(x1), self.layer(x2)
+
+
+def test_a_layer_called_twice_advances_its_state_once_with_the_max_of_both_calls(monkeypatch):
+    torch._dynamo.reset()
+    graphs = AotGraphs().install(monkeypatch)
+    model = SharedLayer()
+    compiled = torch.compile(model, backend="te", options=OPTIONS, fullgraph=True)
+    w = model.layer.weight.detach().clone()
+    scales = None
+    for step, (ax1, ax2, ag1, ag2) in enumerate(((3.0, 5.0, 2.0, 7.0), (6.0, 1.0, 4.0, 0.5))):
+        x1 = torch.rand(4, 16) * ax1 / 1.0001
+        x2 = torch.rand(4, 16) * ax2 / 1.0001
+        x1[0, 0], x2[0, 0] = ax1, ax2
+        g1, g2 = torch.full((4, 16), ag1), torch.full((4, 16), -ag2)
+        y1, y2 = compiled(x1, x2)
+        if scales is not None:  # both calls quantize with the scales of the step before
+            for x, y in ((x1, y1), (x2, y2)):
+                ref = _fp8(x, scales["input"], torch.float8_e4m3fn) @ _fp8(w, scales["weight"], torch.float8_e4m3fn).t()
+                assert_sqnr_at_least(ref, y, 60.0, f"step {step} output")
+        torch.autograd.backward((y1, y2), (g1, g2))
+        state = te_compile.recipe_state_dict(model)
+        for role, amax, fp8_max in (("input", max(ax1, ax2), E4M3_MAX), ("grad_output", max(ag1, ag2), E5M2_MAX)):
+            history = state[f"layer.{role}.amax_history"]
+            assert history[0].item() == amax and history[step + 1:].eq(0).all(), f"step {step} {role}: {history}"
+            assert state[f"layer.{role}.scale"].item() == _expected_scale(
+                [history[i].item() for i in range(step, -1, -1)], fp8_max)
+        scales = {r: state[f"layer.{r}.scale"].item() for r in ("input", "weight")}
+    # The weight is quantized once per forward, not once per call: three casts to FP8 (x1, x2, w).
+    [forward] = graphs.forward
+    casts = [n for n in forward.graph.nodes if n.target is torch.ops.aten._to_copy.default
+             and n.kwargs.get("dtype") == torch.float8_e4m3fn]
+    assert len(casts) == 3, forward.code
+
+
+def test_evaluation_leaves_the_state_unchanged_and_still_runs_fp8():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="te", options=OPTIONS)
+    for _ in range(2):
+        compiled(torch.randn(8, 32)).sum().backward()
+    before = te_compile.recipe_state_dict(model)
+    x = torch.randn(8, 32) * 50.0   # an amax no step has seen
+    model.eval()
+    with torch.no_grad():
+        y_no_grad = compiled(x)
+    with torch.inference_mode():
+        y_inference = compiled(x)
+    model.train()
+    compiled(x)                      # a forward without a backward is not a training step either
+    after = te_compile.recipe_state_dict(model)
+    for key, value in before.items():
+        assert_bitwise_equal(after[key], value, key)
+    # FP8 with the stored scales (x is 50x larger than anything seen: it saturates at 448 / scale)
+    def fp8_linear(layer, h, prefix):
+        xq = _fp8(h, before[f"{prefix}.input.scale"].item(), torch.float8_e4m3fn)
+        wq = _fp8(layer.weight.detach(), before[f"{prefix}.weight.scale"].item(), torch.float8_e4m3fn)
+        return xq @ wq.t() + layer.bias.detach()
+
+    ref = fp8_linear(model.proj, torch.relu(fp8_linear(model.fc, x, "fc")), "proj")
+    for y in (y_no_grad, y_inference):
+        assert_sqnr_at_least(ref, y, 60.0, "evaluation output vs FP8 with the stored scales")
+        assert sqnr(model(x).detach(), y) < 30.0, "evaluation ran in high precision"
+
+
+def test_frozen_weights_keep_their_state_advancing_and_skip_the_wgrad_gemm(monkeypatch):
+    torch._dynamo.reset()
+    graphs = AotGraphs().install(monkeypatch)
+    layer = nn.Linear(32, 16)
+    layer.requires_grad_(False)
+    compiled = torch.compile(layer, backend="te", options=OPTIONS)
+    x = torch.randn(4, 32, requires_grad=True)
+    compiled(x).sum().backward()
+    assert x.grad is not None and layer.weight.grad is None
+    state = te_compile.recipe_state_dict(layer)
+    for role in ("input", "weight", "grad_output"):
+        assert state[f"{role}.amax_history"][0].item() > 0, role
+    [backward] = graphs.backward
+    assert count_calls(backward, torch.ops.aten._scaled_mm) == 1, backward.code   # dgrad only
+
+
+class TiedHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(64, 32)
+        self.lm_head = nn.Linear(32, 64, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, idx):
+        return self.lm_head(self.embed(idx))
+
+
+def test_a_tied_weight_has_one_set_of_state_keys():
+    torch._dynamo.reset()
+    model = TiedHead()
+    compiled = torch.compile(model, backend="te", options=OPTIONS)
+    compiled(torch.randint(0, 64, (2, 8))).sum().backward()
+    keys = te_compile.recipe_state_dict(model)
+    assert sorted(keys) == sorted(f"lm_head.{r}.{f}" for r in ("input", "weight", "grad_output")
+                                  for f in ("scale", "amax_history"))
+    te_compile.load_recipe_state_dict(model, keys)                                   # round-trips
+    te_compile.load_recipe_state_dict(model, {k.replace("lm_head", "embed"): v for k, v in keys.items()})
+
+
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_dynamic_shapes_never_make_the_state_dynamic(compiler):
+    """A history as long as the first sequence (16) must not share its size symbol: later lengths
+    run the same graph."""
+    torch._dynamo.reset()
+    counters.clear()
+    model = MLP()
+    options = {**OPTIONS, "amax_history_len": 16, "compiler": compiler}
+    compiled = torch.compile(model, backend="te", options=options, dynamic=True)
+    for t in (16, 8, 11):
+        compiled(torch.randn(2, t, 32)).sum().backward()
+    assert counters["stats"]["unique_graphs"] == 1
+    assert te_compile.recipe_state_dict(model)["fc.input.amax_history"].count_nonzero() == 3

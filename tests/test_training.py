@@ -84,17 +84,24 @@ def _linear_names(model: nn.Module) -> set[str]:
     return {n for n, m in model.named_modules() if isinstance(m, (nn.Linear, Conv1D))}
 
 
-@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama", "llama-checkpointed", "gpt2", "falcon"])
 def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
     transformers = pytest.importorskip("transformers", reason="transformers is in the [test] extra")
     torch._dynamo.reset()
     te_compile.reset()
     torch.manual_seed(0)
-    if arch == "llama":
+    if arch.startswith("llama"):
         config = transformers.LlamaConfig(
             vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
         model = transformers.LlamaForCausalLM(config)
+        if arch == "llama-checkpointed":   # every decoder layer in a checkpointed region
+            model.gradient_checkpointing_enable()
+            model.train()
+    elif arch == "falcon":                   # FalconLinear: x @ self.weight.T + self.bias
+        config = transformers.FalconConfig(vocab_size=256, hidden_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4)
+        model = transformers.FalconForCausalLM(config)
     else:
         config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
         model = transformers.GPT2LMHeadModel(config)
@@ -103,8 +110,36 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
     compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager"})
     loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
-    rewritten = {s.fqn for s in te_compile.report().rewritten}
-    assert rewritten == _linear_names(model), str(te_compile.report())
+    report = te_compile.report()
+    assert {s.fqn for s in report.rewritten} == _linear_names(model), str(report)
+    assert len(report.sites) == len(_linear_names(model)), str(report)
+    if arch == "llama-checkpointed":
+        assert sum("checkpointed region" in s.reason for s in report.sites) == 14, str(report)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     gap = abs(loss.item() - eager_loss.item()) / eager_loss.item()
     assert gap < 0.02, f"{arch}: FP8 loss {loss.item():.4f} vs eager {eager_loss.item():.4f}"
+
+
+def test_hf_trainer_trains_a_model_compiled_in_place(tmp_path):
+    """accelerate accepts only its own backend names (TrainingArguments(torch_compile_backend="te")
+    fails); compiling the model in place before building the Trainer is the documented path."""
+    transformers = pytest.importorskip("transformers", reason="transformers is in the [test] extra")
+    pytest.importorskip("accelerate", reason="the Trainer needs accelerate (in the [test] extra)")
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=256, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config)
+    before = model.transformer.h[0].mlp.c_fc.weight.detach().clone()
+    model.compile(backend="te", options={"compiler": "aot_eager"})
+    g = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 256, (8, 16), generator=g)]
+    args = transformers.TrainingArguments(
+        output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2, learning_rate=1e-3,
+        logging_steps=1, report_to=[], save_strategy="no", use_cpu=True)
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=data)
+    trainer.train()
+    losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+    assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), trainer.state.log_history
+    assert {s.fqn for s in te_compile.report().rewritten} == _linear_names(model), str(te_compile.report())
+    assert not torch.equal(model.transformer.h[0].mlp.c_fc.weight, before), "no optimizer step happened"

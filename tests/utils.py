@@ -126,3 +126,41 @@ def ref_scale_inv(scale: torch.Tensor) -> torch.Tensor:
 def ref_dequantize(data_u8: torch.Tensor, scale_inv: torch.Tensor, fp8_dtype: torch.dtype,
                    dtype: Optional[torch.dtype] = torch.float32) -> torch.Tensor:
     return (data_u8.view(fp8_dtype).to(torch.float32) * scale_inv.reshape(())).to(dtype)
+
+
+# ---- the graphs aot_autograd hands its compilers, for counting ops in tests ----
+
+class AotGraphs:
+    """Forward and backward graphs of every te compile while installed (``install(monkeypatch)``):
+    the backend's final compiler becomes aot_eager with recording compilers. Use with
+    ``compiler = "aot_eager"`` in the options (the recorded graphs are what aot_eager would run)."""
+
+    def __init__(self) -> None:
+        self.forward: list[torch.fx.GraphModule] = []
+        self.backward: list[torch.fx.GraphModule] = []
+
+    def install(self, monkeypatch) -> "AotGraphs":
+        import importlib
+
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
+
+        backend_module = importlib.import_module("te_compile.backend")  # te_compile.backend is a function
+
+        def record(into):
+            def compiler(gm, example_inputs):
+                into.append(gm)
+                return boxed_nop(gm, example_inputs)
+            return compiler
+
+        def final(gm, example_inputs, config, mode):
+            return aot_eager(gm, example_inputs, fw_compiler=record(self.forward),
+                             bw_compiler=record(self.backward))
+
+        monkeypatch.setattr(backend_module, "_final_compiler", final)
+        return self
+
+
+def count_calls(gm: torch.fx.GraphModule, target) -> int:
+    """Nodes of ``gm`` calling ``target`` (an OpOverload or OpOverloadPacket)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and (n.target is target or getattr(n.target, "overloadpacket", None) is target))
