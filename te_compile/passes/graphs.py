@@ -40,11 +40,10 @@ _CHECKPOINT_HOPS = frozenset({"tag_activation_checkpoint", "wrap_activation_chec
 
 @dataclass(frozen=True, eq=False)
 class ParamRef:
-    """A parameter the compiled graph receives: the object, its name in the model, its top-level input."""
+    """A parameter the compiled graph receives: the object, its name in the model, its input position."""
 
     value: torch.nn.Parameter
     name: str          # e.g. "blocks.0.mlp.fc.weight" (the first name Dynamo reached it by)
-    top: fx.Node       # its placeholder in the top-level graph
     index: int         # its position in the top-level graph's inputs
 
 
@@ -57,7 +56,6 @@ class GraphScope:
     params: dict[fx.Node, ParamRef]
     parent: Optional["GraphScope"] = None
     hop: Optional[fx.Node] = None          # the HOP call in parent.gm.graph
-    operand_start: int = 0                 # index in hop.args of the operand the first placeholder gets
     # why sites in this graph are reported but not rewritten (None: rewritable)
     unsupported: Optional[str] = None
     _lifted: dict[fx.Node, fx.Node] = field(default_factory=dict)
@@ -110,8 +108,10 @@ class GraphScope:
             return self._lifted[top]
         outer = self.parent.lift(top, name)
         self.hop.args = (*self.hop.args, outer)
-        last = self.placeholders()[-1]
-        with self.graph.inserting_after(last):
+        placeholders = self.placeholders()
+        where = (self.graph.inserting_after(placeholders[-1]) if placeholders
+                 else self.graph.inserting_before(next(iter(self.graph.nodes))))
+        with where:
             node = self.graph.placeholder(name)
         node.meta.update({k: v for k, v in outer.meta.items() if k in ("example_value", "val", "tensor_meta")})
         self._lifted[top] = node
@@ -154,7 +154,7 @@ def _child_scopes(scope: GraphScope) -> Iterator[GraphScope]:
             operands = node.args[index + 1:]
             placeholders = list(body.graph.find_nodes(op="placeholder"))
             params = {ph: scope.params[op] for ph, op in zip(placeholders, operands) if op in scope.params}
-            yield GraphScope(body, params, parent=scope, hop=node, operand_start=index + 1)
+            yield GraphScope(body, params, parent=scope, hop=node)
             continue
         why = scope.unsupported or f"inside torch.ops.higher_order.{name}, which the te passes do not rewrite"
         for sub in _subgraphs(node, scope.gm):
@@ -196,7 +196,7 @@ def graph_scopes(gm: fx.GraphModule, example_inputs: Sequence) -> list[GraphScop
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     # Dynamo passes parameters as graph inputs: placeholder -> the nn.Parameter it receives.
     params = {
-        node: ParamRef(value, _source_path(node), node, i)
+        node: ParamRef(value, _source_path(node), i)
         for i, (node, value) in enumerate(zip(placeholders, example_inputs))
         if isinstance(value, torch.nn.Parameter)
     }
