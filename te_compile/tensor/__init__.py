@@ -6,8 +6,12 @@ from .float8_blockwise_tensor import (
     Float8BlockwiseQTensor,
     Float8BlockwiseQTensorStorage,
 )
-from .float8_quantizer import Float8CurrentScalingQuantizer, Float8Quantizer
-from .float8_tensor import Float8Tensor, Float8TensorStorage
+from .float8_tensor import (
+    Float8CurrentScalingQuantizer,
+    Float8Quantizer,
+    Float8Tensor,
+    Float8TensorStorage,
+)
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .quantized_tensor import (
@@ -17,6 +21,10 @@ from .quantized_tensor import (
     prepare_for_saving,
     restore_from_saved,
 )
+
+# Public helpers for custom recipes and distributed optimizers (README: ``te_compile.tensor.utils``);
+# imported here so that ``import te_compile`` is enough to reach them.
+from . import utils
 
 __all__ = [
     # abstract interface
@@ -43,4 +51,6 @@ __all__ = [
     "NVFP4Quantizer",
     "NVFP4Tensor",
     "NVFP4TensorStorage",
+    # helpers on quantized tensors (is_custom, replace_raw_data)
+    "utils",
 ]
