@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
+from ._launch import launch_row_tiles, require_triton
 from ..scaling import FLT_MAX, cast_to_fp8, compute_scale, fp8_max
 
 __all__ = [
@@ -185,34 +186,24 @@ def float8_block_quantize_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_float8_block_quantize_kernel``; same contract as the reference. Takes CPU tensors
     too under ``TRITON_INTERPRET=1`` (the tests run it that way)."""
-    if not HAS_TRITON:
-        raise RuntimeError("float8_block_quantize_triton needs triton, which is not installed")
+    require_triton("float8_block_quantize_triton")
     _check_args(x, fp8_dtype, tile_rows, amax_epsilon)
-    if x.stride(1) != 1:
-        x = x.contiguous()
     m, k = x.shape
-    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    scale_inv = torch.empty(_scale_inv_shape(m, k, tile_rows), dtype=torch.float32, device=x.device)
-    if m == 0 or k == 0:
-        return data, scale_inv
-    grid = (triton.cdiv(m, _BLOCK_M), scale_inv.shape[1])
-    _float8_block_quantize_kernel[grid](
+    scale_inv_shape = _scale_inv_shape(m, k, tile_rows)
+    data, scale_inv = launch_row_tiles(
+        _float8_block_quantize_kernel,
         x,
-        data,
-        scale_inv,
-        m,
-        k,
-        x.stride(0),
-        scale_inv.shape[1],
-        float(amax_epsilon),
+        [((m, k), torch.uint8),                         # data: fp8 bytes
+         (scale_inv_shape, torch.float32)],             # scale_inv: [Mt, Kt]
+        [scale_inv_shape[1], float(amax_epsilon)],      # n_kblocks, amax_epsilon
+        block_m=_BLOCK_M,
+        block_k=FLOAT8_BLOCK,
+        num_warps=8,
         FP8_MAX=fp8_max(fp8_dtype),
         IS_E4M3=fp8_dtype == torch.float8_e4m3fn,
         TILE_ROWS=tile_rows,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_K=FLOAT8_BLOCK,
         FORCE_POW_2_SCALES=bool(force_pow_2_scales),
         USE_EPSILON=amax_epsilon > 0,
-        num_warps=8,
     )
     return data, scale_inv
 

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
+from ._launch import launch_row_tiles, require_triton
 from ..scaling import fp8_max
 
 __all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton"]
@@ -45,10 +46,10 @@ if HAS_TRITON:
         x_ptr,  # [M, K] fp32 / bf16 / fp16, row stride stride_xm, unit column stride
         data_ptr,  # [M, K] uint8 out: fp8 bytes, contiguous
         scale_ptr,  # [M, n_blocks] uint8 out: E8M0 codes, contiguous
-        M,
-        K,
+        M,  # rows of x
+        K,  # columns of x
+        stride_xm,  # elements between rows of x
         n_blocks,  # ceil(K / 32)
-        stride_xm,
         FP8_MAX: tl.constexpr,
         FP8_NAN: tl.constexpr,
         IS_E4M3: tl.constexpr,
@@ -136,31 +137,21 @@ def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[t
 
 def mxfp8_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    require_triton("mxfp8_quantize_triton")
     limit = _validate(x, fp8_dtype)
-    if not HAS_TRITON:
-        raise RuntimeError("mxfp8_quantize_triton needs triton, which is not installed")
     m, k = x.shape
     n_blocks = -(-k // MXFP8_BLOCK)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    data = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((m, n_blocks), dtype=torch.uint8, device=x.device)
-    if m == 0 or k == 0:
-        return data, scale
-    grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(k, _BLOCK_K))
-    _mxfp8_quantize_kernel[grid](
+    data, scale = launch_row_tiles(
+        _mxfp8_quantize_kernel,
         x,
-        data,
-        scale,
-        m,
-        k,
-        n_blocks,
-        x.stride(0),
+        [((m, k), torch.uint8),          # data: fp8 bytes
+         ((m, n_blocks), torch.uint8)],  # scale: E8M0 codes
+        [n_blocks],
+        block_m=_BLOCK_M,
+        block_k=_BLOCK_K,
         FP8_MAX=limit,
         FP8_NAN=_FP8_NAN,
         IS_E4M3=fp8_dtype == torch.float8_e4m3fn,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_K=_BLOCK_K,
         MX_BLOCK=MXFP8_BLOCK,
     )
     return data, scale

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
+from ._launch import launch_row_tiles, require_triton
 from ..scaling import FLT_MAX, scale_for_limit
 
 __all__ = [
@@ -235,13 +236,13 @@ if HAS_TRITON:
     @triton.jit
     def _nvfp4_quantize_kernel(
         x_ptr,                      # [M, K] fp32/bf16/fp16, row stride stride_xm, unit column stride
-        amax_ptr,                   # [1] fp32 tensor amax
-        rand_ptr,                   # [M, K] fp32 contiguous (read only when STOCHASTIC)
         data_ptr,                   # [M, K // 2] uint8 packed codes, contiguous
         scale_ptr,                  # [M, K // 16] uint8 e4m3 block scales, contiguous
         M,                          # rows of x
         K,                          # columns of x (a multiple of 16)
         stride_xm,                  # elements between rows of x
+        amax_ptr,                   # [1] fp32 tensor amax
+        rand_ptr,                   # [M, K] fp32 contiguous (read only when STOCHASTIC)
         TILE_ROWS: tl.constexpr,    # 1 (1x16 blocks) or 16 (16x16 tiles)
         BLOCK_M: tl.constexpr,      # rows per program, a multiple of TILE_ROWS
         BLOCK_K: tl.constexpr,      # columns per program, a multiple of 16
@@ -312,33 +313,22 @@ def nvfp4_quantize_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_nvfp4_quantize_kernel``; same contract as the reference. Takes CPU tensors too
     under ``TRITON_INTERPRET=1`` (the tests run it that way)."""
-    if not HAS_TRITON:
-        raise RuntimeError("nvfp4_quantize_triton needs triton, which is not installed")
+    require_triton("nvfp4_quantize_triton")
     _check_args(x, global_amax, tile_rows, rand)
-    if x.stride(1) != 1:
-        x = x.contiguous()
     m, k = x.shape
     amax = global_amax.detach().to(torch.float32).reshape(1).contiguous()
-    data = torch.empty((m, k // 2), dtype=torch.uint8, device=x.device)
-    scale = torch.empty((m, k // NVFP4_BLOCK), dtype=torch.uint8, device=x.device)
-    if m == 0 or k == 0:
-        return data, scale
-    rand_arg = rand.contiguous() if rand is not None else x
-    grid = (triton.cdiv(m, _BLOCK_M), triton.cdiv(k, _BLOCK_K))
-    _nvfp4_quantize_kernel[grid](
+    # without stochastic rounding the kernel never reads rand_ptr; any tensor fills the slot
+    rand_arg = rand.contiguous() if rand is not None else amax
+    data, scale = launch_row_tiles(
+        _nvfp4_quantize_kernel,
         x,
-        amax,
-        rand_arg,
-        data,
-        scale,
-        m,
-        k,
-        x.stride(0),
+        [((m, k // 2), torch.uint8),               # data: packed E2M1 codes
+         ((m, k // NVFP4_BLOCK), torch.uint8)],    # scale: e4m3 bytes of the block scales
+        [amax, rand_arg],
+        block_m=_BLOCK_M,
+        block_k=_BLOCK_K,
         TILE_ROWS=tile_rows,
-        BLOCK_M=_BLOCK_M,
-        BLOCK_K=_BLOCK_K,
         STOCHASTIC=rand is not None,
-        num_warps=4,
     )
     return data, scale
 
