@@ -169,3 +169,34 @@ def test_root_level_call_on_a_submodule_weight_is_named_after_its_module():
     torch.compile(Root(), backend="te", options=OPTIONS)(torch.randint(0, 64, (B, T)))
     [site] = te_compile.report().sites
     assert site.fqn == "embed" and site.rewritten and site.shapes == "x[2, 8, 32] w[64, 32]", site
+
+
+def test_linears_in_bodies_of_other_higher_order_ops_are_reported_not_rewritten():
+    class Branches(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(K, K)
+            self.b = nn.Linear(K, K)
+            self.c = nn.Linear(K, K)
+
+        def forward(self, x):
+            @torch.compiler.nested_compile_region
+            def shared(h):
+                return self.c(h)
+
+            y = torch.cond(x.sum() > 0, lambda h: self.a(h), lambda h: self.b(h), (x,))
+            return shared(shared(y))
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = Branches()
+    x = torch.randn(4, K, requires_grad=True)
+    y = torch.compile(model, backend="te", options=OPTIONS)(x)
+    y.sum().backward()
+    sites = [(s.fqn, s.rewritten, s.reason) for s in te_compile.report().sites]
+    assert sites == [
+        ("a", False, "inside torch.ops.higher_order.cond, which the te passes do not rewrite"),
+        ("b", False, "inside torch.ops.higher_order.cond, which the te passes do not rewrite"),
+        ("c", False, "inside torch.ops.higher_order.invoke_subgraph, which the te passes do not rewrite"),
+    ], sites
+    torch.testing.assert_close(y, model(x))

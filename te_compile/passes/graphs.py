@@ -200,10 +200,13 @@ def graph_scopes(gm: fx.GraphModule, example_inputs: Sequence) -> list[GraphScop
         for i, (node, value) in enumerate(zip(placeholders, example_inputs))
         if isinstance(value, torch.nn.Parameter)
     }
-    scopes = []
+    scopes, seen = [], set()
     stack = [GraphScope(gm, params)]
     while stack:
         scope = stack.pop()
+        if id(scope.gm) in seen:   # a body several calls share (invoke_subgraph): listed once
+            continue
+        seen.add(id(scope.gm))
         scopes.append(scope)
         stack.extend(reversed(list(_child_scopes(scope))))
     return scopes
