@@ -51,19 +51,23 @@ def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
     return copy
 
 
-def _with_extra_inputs(compiled: Callable, result) -> Callable:
-    """Append the extra inputs of the rewritten graph (the recipe state of the weights each call
-    receives) to Dynamo's arguments.
+def _per_call(compiled: Callable, result) -> Callable:
+    """What runs at each call besides the graph: the extra inputs of the rewritten graph (the recipe
+    state of the weights this call receives) appended to Dynamo's arguments, and the report rows of
+    a module instance that reuses the graph (passes/naming.py).
 
     Dynamo passes parameters as graph inputs and reuses one compiled graph for every instance of
     a module class, so state is looked up per call by weight (a weak-keyed dict lookup per stateful
     weight) rather than baked into the graph: each model keeps its own.
     """
-    if not result.extra_inputs:
-        return compiled
+    instances = result.instances
 
     def run(*args):
-        return compiled(*args, *result.extra_tensors(args))
+        if instances is not None:
+            rows = instances.check(args)
+            if rows:
+                _record(rows)
+        return compiled(*args, *result.extra_tensors(args)) if result.extra_inputs else compiled(*args)
 
     return run
 
@@ -90,8 +94,10 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
     extra = _static_examples(result.extra_tensors(example_inputs), example_inputs)
-    compiled = _with_extra_inputs(_final_compiler(gm, [*example_inputs, *extra], config, mode), result)
+    compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode), result)
     _record(records)
+    if result.instances is not None:
+        result.instances.seen.add(id(example_inputs[result.instances.anchor_index]))
     if records:
         table = str(Report(records))
         log.info("te_compile (%s):\n%s", config.source, table)

@@ -10,7 +10,7 @@ dead-code elimination, lint and recompile of every graph.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.fx as fx
@@ -20,6 +20,7 @@ from ..report import SiteRecord
 from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
+from .naming import FrameInstances
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
@@ -55,6 +56,7 @@ class PassResult:
     records: list[SiteRecord] = field(default_factory=list)
     extra_inputs: list[ExtraInput] = field(default_factory=list)   # after Dynamo's, in order
     counts: dict[str, int] = field(default_factory=dict)           # pass name -> sites rewritten
+    instances: Optional[FrameInstances] = None   # None: the graph takes no parameter
 
     def extra_tensors(self, args: Sequence) -> list[torch.Tensor]:
         """The extra graph inputs for a call with Dynamo's ``args``."""
@@ -75,4 +77,9 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
         scope.graph.eliminate_dead_code()
         scope.graph.lint()
         scope.gm.recompile()
-    return PassResult(ctx.records(), extra_inputs, counts)
+    records = ctx.records()
+    top = scopes[0]
+    anchor = min(top.params.values(), key=lambda p: p.index, default=None)
+    instances = None if anchor is None else FrameInstances(
+        config, records, top.prefix, anchor.index, anchor.name[len(top.prefix):])
+    return PassResult(records, extra_inputs, counts, instances)

@@ -24,6 +24,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.fx as fx
 
+from .naming import frame_prefix
+
 __all__ = ["ParamRef", "GraphScope", "graph_scopes"]
 
 # HOPs that call their body exactly once with the operands that follow it, like an inlined call:
@@ -58,6 +60,9 @@ class GraphScope:
     hop: Optional[fx.Node] = None          # the HOP call in parent.gm.graph
     # why sites in this graph are reported but not rewritten (None: rewritable)
     unsupported: Optional[str] = None
+    # module path of the compiled frame's root in the user's model ("blocks.0." when Dynamo compiled
+    # one block on its own; naming.py), prepended to every module path Dynamo records
+    prefix: str = ""
     _lifted: dict[fx.Node, fx.Node] = field(default_factory=dict)
     _positions: dict[fx.Node, int] = field(default_factory=dict)   # node -> index before any pass
 
@@ -88,6 +93,10 @@ class GraphScope:
             before = before.prev
         own = self._positions.get(before, -1) + (0.0 if before is node else 0.5)
         return (*self.parent.order_key(self.hop), own) if self.parent is not None else (own,)
+
+    def fqn(self, path: str) -> str:
+        """The model's name for a module Dynamo calls ``path`` in this frame ("" for the frame root)."""
+        return f"{self.prefix}{path}" if path else self.prefix.rstrip(".")
 
     def placeholders(self) -> list[fx.Node]:
         return list(self.graph.find_nodes(op="placeholder"))
@@ -154,13 +163,13 @@ def _child_scopes(scope: GraphScope) -> Iterator[GraphScope]:
             operands = node.args[index + 1:]
             placeholders = list(body.graph.find_nodes(op="placeholder"))
             params = {ph: scope.params[op] for ph, op in zip(placeholders, operands) if op in scope.params}
-            yield GraphScope(body, params, parent=scope, hop=node)
+            yield GraphScope(body, params, parent=scope, hop=node, prefix=scope.prefix)
             continue
         why = scope.unsupported or f"inside torch.ops.higher_order.{name}, which the te passes do not rewrite"
         for sub in _subgraphs(node, scope.gm):
             # Reported only: their operand conventions differ per HOP, so parameters are not traced
             # in; the report still lists every matmul inside.
-            yield GraphScope(sub, {}, parent=scope, hop=node, unsupported=why)
+            yield GraphScope(sub, {}, parent=scope, hop=node, unsupported=why, prefix=scope.prefix)
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
@@ -195,13 +204,12 @@ def graph_scopes(gm: fx.GraphModule, example_inputs: Sequence) -> list[GraphScop
     """The top-level scope of Dynamo's graph ``gm`` and, depth first, every HOP body inside it."""
     placeholders = list(gm.graph.find_nodes(op="placeholder"))
     # Dynamo passes parameters as graph inputs: placeholder -> the nn.Parameter it receives.
-    params = {
-        node: ParamRef(value, _source_path(node), i)
-        for i, (node, value) in enumerate(zip(placeholders, example_inputs))
-        if isinstance(value, torch.nn.Parameter)
-    }
+    local = {node: (i, value, _source_path(node)) for i, (node, value) in enumerate(zip(placeholders, example_inputs))
+             if isinstance(value, torch.nn.Parameter)}
+    prefix = frame_prefix((value, name) for _, value, name in local.values())
+    params = {node: ParamRef(value, prefix + name, i) for node, (i, value, name) in local.items()}
     scopes, seen = [], set()
-    stack = [GraphScope(gm, params)]
+    stack = [GraphScope(gm, params, prefix=prefix)]
     while stack:
         scope = stack.pop()
         if id(scope.gm) in seen:   # a body several calls share (invoke_subgraph): listed once

@@ -50,6 +50,9 @@ _BADDBMM_FNS = (torch.baddbmm, torch.Tensor.baddbmm)
 _OTHER_MATMULS = {torch.einsum: "einsum", torch.functional.einsum: "einsum", torch.tensordot: "tensordot",
                   torch.inner: "inner", torch.mv: "mv", torch.addmv: "addmv", torch.outer: "outer",
                   torch.nn.functional.bilinear: "bilinear"}
+# Words that make any other op (grouped_mm, a library's custom GEMM op) count as matmul-like for the
+# report when one of its operands reaches a parameter.
+_MATMUL_WORDS = frozenset({"mm", "bmm", "matmul", "einsum", "linear", "gemm", "addmm", "baddbmm"})
 
 # Single-input ops that keep a weight the same weight: transposes (the call then reads it the other
 # way round) and dtype casts (the call reads the cast copy; gradients flow back through it).
@@ -57,10 +60,15 @@ _TRANSPOSE_METHODS = ("t", "transpose", "permute", "swapaxes", "swapdims")
 _CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "detach")
 # Views that broadcast a 2-D weight over a batch dim for bmm / baddbmm.
 _BROADCAST_METHODS = ("expand", "expand_as", "broadcast_to", "unsqueeze")
+# Ops that take part of a parameter (an expert's slice of a 3-D weight) or reshape it: what comes
+# out is still parameter data, for the report's "has a parameter operand".
+_SLICE_METHODS = ("getitem", "__getitem__", "index_select", "select", "narrow", "view", "reshape",
+                  "squeeze", "flatten", "unflatten", "chunk", "split", "unbind")
 
 
 def module_fqn(node: fx.Node) -> str:
-    """The innermost module a node was traced in ("" for the root module)."""
+    """The innermost module a node was traced in, named from the compiled frame's root ("" for the
+    root itself; GraphScope.fqn makes it the model's name)."""
     stack = node.meta.get("nn_module_stack")
     if not stack:
         return ""
@@ -85,6 +93,8 @@ def _method(node: fx.Node) -> Optional[str]:
     if node.op == "call_function":
         if node.target is getattr and len(node.args) == 2 and node.args[1] in ("T", "mT"):
             return "t"
+        if node.target is operator.getitem:
+            return "getitem"
         name = getattr(node.target, "__name__", None)
         if node.target in (torch.t, torch.transpose, torch.permute, torch.swapaxes, torch.unsqueeze,
                            torch.broadcast_to, torch.Tensor.to, torch.Tensor.t, torch.Tensor.transpose,
@@ -139,15 +149,23 @@ def _unbroadcast(node) -> Optional[fx.Node]:
 
 
 def _reaches_param(node, params) -> bool:
-    """Does ``node`` carry a parameter through views, casts and broadcasts?"""
+    """Does ``node`` carry (part of) a parameter through views, casts, broadcasts and slicing?"""
     while isinstance(node, fx.Node):
         if node in params:
             return True
         name = _method(node)
-        if name not in (*_CAST_METHODS, *_TRANSPOSE_METHODS, *_BROADCAST_METHODS) or not node.args:
+        if name not in (*_CAST_METHODS, *_TRANSPOSE_METHODS, *_BROADCAST_METHODS, *_SLICE_METHODS) or not node.args:
             return False
         node = node.args[0]
     return False
+
+
+def _matmul_word_name(node: fx.Node) -> Optional[str]:
+    """The name of an op not handled above that reads like a matmul ("grouped_mm", a custom op)."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
+    words = set(name.lower().replace(".", "_").replace(":", "_").split("_"))
+    return name if words & _MATMUL_WORDS else None
 
 
 def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]:
@@ -178,8 +196,7 @@ def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]
     return LinearSite(node, w, x, x_param, None, False, fqn, op_name, weight_first=True)
 
 
-def _site(node: fx.Node, params: dict[fx.Node, ParamRef]) -> Optional[LinearSite]:
-    fqn = module_fqn(node)
+def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[LinearSite]:
     target = node.target
     if node.op == "call_function" and target in _LINEAR:
         x, w = node.args[0], node.args[1]
@@ -210,10 +227,11 @@ def _site(node: fx.Node, params: dict[fx.Node, ParamRef]) -> Optional[LinearSite
         if site is not None and baddbmm and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
             site.unsupported = "baddbmm with beta or alpha other than 1"
         return site
-    if is_call and target in _OTHER_MATMULS:
-        operands = [a for a in node.args if isinstance(a, fx.Node)]
-        if any(_reaches_param(a, params) for a in operands):
-            name = _OTHER_MATMULS[target]
+    name = _OTHER_MATMULS.get(target) if is_call else None
+    name = name or _matmul_word_name(node)
+    if name is not None:
+        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+        if operands and any(_reaches_param(a, params) for a in operands):
             return LinearSite(node, operands[0], operands[-1], None, None, False, fqn, name,
                               unsupported=f"{name} with a parameter operand is not lowered")
     return None
@@ -225,7 +243,7 @@ def find_linear_sites(scope: GraphScope) -> list[LinearSite]:
     for node in scope.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        site = _site(node, scope.params)
+        site = _site(node, scope.params, scope.fqn(module_fqn(node)))
         if site is None:
             continue
         if site.fqn == "" and site.param is not None and "." in site.param.name:
