@@ -200,3 +200,77 @@ def test_linears_in_bodies_of_other_higher_order_ops_are_reported_not_rewritten(
         ("c", False, "inside torch.ops.higher_order.invoke_subgraph, which the te passes do not rewrite"),
     ], sites
     torch.testing.assert_close(y, model(x))
+
+
+class Block(nn.Module):
+    def __init__(self, graph_break: bool = False):
+        super().__init__()
+        self.fc1 = nn.Linear(K, N)
+        self.fc2 = nn.Linear(N, K)
+        self.graph_break = graph_break
+
+    def forward(self, x):
+        h = F.relu(self.fc1(x))
+        if self.graph_break:
+            torch._dynamo.graph_break()   # Dynamo then compiles Block.forward on its own
+        return x + self.fc2(h)
+
+
+class Blocks(nn.Module):
+    def __init__(self, graph_break: bool = False):
+        super().__init__()
+        # blocks 1 and 2 get inputs that require grad: Dynamo compiles one graph for both
+        self.blocks = nn.ModuleList(Block(graph_break) for _ in range(3))
+        self.head = nn.Linear(K, N)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def _blocks_report(layout: str, overrides=()):
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(0)
+    model = Blocks(graph_break=layout == "graph_break")
+    options = {**OPTIONS, "overrides": list(overrides)}
+    if layout == "per_block":               # the torchtitan layout: each block compiled on its own
+        for block in model.blocks:
+            block.compile(backend="te", options=options)
+        run = model
+    else:
+        run = torch.compile(model, backend="te", options=options)
+    run(torch.randn(4, K)).sum().backward()
+    return te_compile.report()
+
+
+@pytest.mark.parametrize("layout", ["graph_break", "per_block"])
+def test_sites_carry_the_models_names_and_overrides_match_them_when_blocks_compile_alone(layout):
+    report = _blocks_report(layout, [{"modules": "blocks.*.fc2", "recipe": "none"}])
+    names = {s.fqn: s.rewritten for s in report.sites}
+    # every block is listed under its own name, also where Dynamo reuses one graph for both
+    assert {n: r for n, r in names.items() if n.startswith("blocks")} == {
+        f"blocks.{i}.fc{j}": j == 1 for i in range(3) for j in (1, 2)}, str(report)
+
+
+def test_a_reused_graph_refuses_an_instance_the_config_gives_another_recipe():
+    with pytest.raises(RuntimeError, match=r"built for 'blocks.1.fc1' with recipe Float8CurrentScaling, and "
+                                           r"Dynamo reuses it for 'blocks.2.fc1', which the config gives recipe 'none'"):
+        _blocks_report("per_block", [{"modules": "blocks.2.*", "recipe": "none"}])
+
+
+def test_a_batched_parameter_slice_and_grouped_gemms_are_listed():
+    class Experts(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, N, K) / K**0.5)
+
+        def forward(self, x, idx):   # x: [T, K], idx: [T]; each token through its expert's weight
+            return torch.bmm(self.w[idx], x.unsqueeze(-1)).squeeze(-1)
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.compile(Experts(), backend="te", options=OPTIONS)(torch.randn(8, K), torch.randint(0, 4, (8,)))
+    [site] = te_compile.report().sites
+    assert not site.rewritten and "bmm with a batched parameter operand" in site.reason
