@@ -89,7 +89,10 @@ def _static_examples(tensors: list, example_inputs: Sequence) -> list:
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
     gm = _private_copy(gm)
-    result = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+    try:
+        result = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+    except ConfigError as e:   # e.g. an amax group this rank is not in: our message first
+        raise CompileConfigError(str(e)) from None
     records = result.records
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.

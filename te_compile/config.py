@@ -31,6 +31,7 @@ __all__ = [
     "ConfigError",
     "RewriteConfig",
     "Override",
+    "DistributedConfig",
     "TeConfig",
     "load_config",
     "config_from_dict",
@@ -40,7 +41,10 @@ __all__ = [
 _ENV_VAR = "TE_COMPILE_CONFIG"
 _COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
-_TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm")
+_TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
+             "amax_group")
+_DISTRIBUTED_KEYS = ("amax_group", "sharded_modules")
+_AMAX_GROUP_NAMES = ("world", "none")
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
 
 
@@ -101,6 +105,34 @@ class Override:
 
 
 @dataclass(frozen=True)
+class DistributedConfig:
+    """Amax reductions across ranks (te_compile/distributed.py); nothing happens in one process."""
+
+    # The group DelayedScaling's amaxes are all-reduced over (MAX) before they enter the histories,
+    # so every rank keeps the same scales: "world" (the default process group), "none" (each rank
+    # keeps its own), or from Python a ProcessGroup or a 1-D DeviceMesh. Recipes with
+    # reduce_amax = false skip it. Tensors sharded as DTensors are reduced over their mesh dims anyway.
+    amax_group: Any = "world"
+    # Module globs whose linear operands are shards of one tensor across the amax group although they
+    # are plain tensors (tensor parallelism written by hand): current scaling all-reduces their
+    # amaxes (input, weight, grad_output) over the amax group, so the bytes match one process.
+    sharded_modules: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "sharded_modules", tuple(self.sharded_modules))
+        for glob in self.sharded_modules:
+            problem = _glob_problem(glob)
+            if problem:
+                raise ValueError(f"DistributedConfig.sharded_modules {problem}")
+        if isinstance(self.amax_group, str) and self.amax_group not in _AMAX_GROUP_NAMES:
+            raise ValueError(f"DistributedConfig.amax_group must be one of {list(_AMAX_GROUP_NAMES)}, "
+                             f"a ProcessGroup or a 1-D DeviceMesh, got {self.amax_group!r}")
+
+    def sharded(self, fqn: str) -> bool:
+        return any(fnmatchcase(fqn, glob) for glob in self.sharded_modules)
+
+
+@dataclass(frozen=True)
 class TeConfig:
     """The resolved configuration of one ``torch.compile(..., backend="te")`` call."""
 
@@ -113,6 +145,7 @@ class TeConfig:
     # Block-scaled recipes: native GEMMs where the device passes block_gemm_probe's self-test; False
     # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
     native_block_gemm: bool = True
+    distributed: DistributedConfig = DistributedConfig()
     source: str = "<defaults>"  # where the config came from, for messages and reports
 
     def __post_init__(self):
@@ -292,6 +325,45 @@ def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], sour
     return Override(table["modules"], _build_recipe(recipe, options, f"{key}.recipe", source))
 
 
+def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
+    """The [distributed] table; a top-level ``amax_group`` (handy in Python options) overrides its key."""
+    value = data.get("distributed", {})
+    if isinstance(value, DistributedConfig):
+        table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules}
+    else:
+        table = dict(_table(value, "distributed", source))
+        _check_keys(table, _DISTRIBUTED_KEYS, "distributed.", source)
+    key = "distributed.amax_group"
+    if "amax_group" in data:
+        table["amax_group"], key = data["amax_group"], "amax_group"
+    group = table.get("amax_group", DistributedConfig.amax_group)
+    if isinstance(group, str):
+        if group not in _AMAX_GROUP_NAMES:
+            raise _error(source, key, f"unknown amax group {group!r}; allowed: {list(_AMAX_GROUP_NAMES)} "
+                                      f"(or, from Python, a ProcessGroup or a 1-D DeviceMesh)")
+    elif not _is_group_object(group):
+        raise _error(source, key, f"expected {list(_AMAX_GROUP_NAMES)}, a ProcessGroup or a 1-D "
+                                  f"DeviceMesh, got {group!r} ({type(group).__name__})")
+    globs = table.get("sharded_modules", ())
+    if isinstance(globs, str) or not isinstance(globs, (list, tuple)):
+        raise _error(source, "distributed.sharded_modules", f"expected an array of module globs, got {globs!r}")
+    for i, glob in enumerate(globs):
+        problem = _glob_problem(glob)
+        if problem:
+            raise _error(source, f"distributed.sharded_modules[{i}]", problem)
+    return DistributedConfig(group, tuple(globs))
+
+
+def _is_group_object(value: Any) -> bool:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    # NON_GROUP_MEMBER: what dist.new_group returns on a rank outside the group; the backend says so
+    return isinstance(value, (dist.ProcessGroup, DeviceMesh)) or value is dist.GroupMember.NON_GROUP_MEMBER
+
+
 def config_from_dict(data: Mapping, source: str) -> TeConfig:
     """Validate a parsed TOML table (or an options dict without "config") into a ``TeConfig``."""
     data = _table(data, "<top level>", source)
@@ -309,7 +381,7 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
     native = _convert(data.get("native_block_gemm", TeConfig.native_block_gemm), bool,
                       "native_block_gemm", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
-                    native_block_gemm=native, source=source)
+                    native_block_gemm=native, distributed=_build_distributed(data, source), source=source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,6 +21,9 @@ class SiteRecord:
     reason: str               # why not rewritten, or how it was lowered
     shapes: str               # e.g. "x[s0, 64] w[256, 64] b[256]"
     graph: int = 0            # which compiled graph (Dynamo may split a model into several)
+    # the cross-rank amax reductions the site takes part in, e.g. "amax all-reduce over tp (2 ranks):
+    # input, weight"; "" in one process
+    collectives: str = ""
 
 
 @dataclass
@@ -46,7 +49,11 @@ class Report:
              s.shapes, s.reason)
             for s in self.sites
         ]
-        table = tabulate(rows, headers=["graph", "module", "op", "recipe", "rewritten", "shapes", "reason"])
+        headers = ["graph", "module", "op", "recipe", "rewritten", "shapes", "reason"]
+        if any(s.collectives for s in self.sites):   # the column only where ranks talk
+            rows = [(*row, s.collectives or "-") for row, s in zip(rows, self.sites)]
+            headers.append("collectives")
+        table = tabulate(rows, headers=headers)
         total = f"{len(self.rewritten)} of {len(self.sites)} sites rewritten"
         return "\n".join([table, *self.summary(), total])
 

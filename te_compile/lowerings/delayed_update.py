@@ -16,6 +16,13 @@ amaxes into its histories and computes the next scales, in place. A forward with
 (evaluation, ``torch.no_grad()``, ``inference_mode``) never runs it: evaluation leaves the state
 unchanged, as TransformerEngine skips amax updates when not training.
 
+Across ranks (DDP, tensor parallel) the combined amaxes of all weights are all-reduced with MAX
+before they enter the histories, packed into one buffer: one collective per graph and step for the
+forward and backward amaxes together (TransformerEngine issues one per forward, eagerly, outside any
+graph). A weight's groups are the amax group of its recipe (``reduce_amax``) and the mesh dims its
+DTensor operands are sharded on, minus any group another covers; with the world as amax group that
+is one group for all.
+
 ``anchor`` is a tensor that requires grad (te_compile.state.amax_anchor), so that the carriers do
 even where no weight does (frozen weights); the update returns no gradient for it.
 """
@@ -26,6 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
 from ..scaling import delayed_scale_from_history, update_amax_history
 
@@ -61,6 +69,8 @@ class UpdateSpec:
 
     recipes: tuple[DelayedScaling, ...]   # per weight, in the order of the state tensors
     site_weights: tuple[int, ...]         # per carrier: index into ``recipes``
+    # per weight: the groups its amaxes are all-reduced over (MAX) before the update; () for none
+    groups: tuple[tuple[AmaxGroup, ...], ...] = ()
 
 
 class _AmaxCarriers(torch.autograd.Function):
@@ -75,12 +85,18 @@ class _AmaxCarriers(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *site_amaxes):
         spec, state = ctx.spec, ctx.saved_tensors
-        for j, recipe in enumerate(spec.recipes):
+        weights, combined = [], []
+        for j in range(len(spec.recipes)):
             amaxes = [a for a, w in zip(site_amaxes, spec.site_weights) if w == j and a is not None]
             if not amaxes:
                 continue
+            weights.append(j)
             # max over the call sites of this weight; a NaN in any of them stays NaN (non-finite)
-            amax = torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0]
+            combined.append(torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0])
+        if spec.groups:
+            combined = reduce_amaxes(combined, [spec.groups[j] for j in weights])
+        for j, amax in zip(weights, combined):
+            recipe = spec.recipes[j]
             tensors = state[j * TENSORS_PER_WEIGHT:(j + 1) * TENSORS_PER_WEIGHT]
             for r, role in enumerate(ROLES):
                 update_role_state(tensors[2 * r], tensors[2 * r + 1], amax[r:r + 1], role, recipe)

@@ -9,29 +9,36 @@ GEMMs (HYBRID: E4M3 forward tensors, E5M2 gradients; all E4M3 for the E4M3 forma
 - wgrad  dw = g.T @ x    : g.T [N, M] E5M2 (row-major), x  [M, K] E4M3 (as column-major)
 Only the FP8 copies of x and w are saved for backward (1 byte per element instead of 2 or 4).
 Bias and its gradient stay in high precision.
+
+On shards of tensors split across ranks (sharded_linear.py) current scaling all-reduces the amaxes
+of the sharded operands (MAX) before computing their scales: x and w in one buffer in forward, g in
+backward; ``groups`` names the groups per role and is empty in one process.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ..distributed import reduce_amaxes
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
 from .gemm import fp8_gemm
 
-__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES"]
+__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS"]
 
 PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
+NO_GROUPS = ((), (), ())
 
 
-def _quantize_per_tensor(t, role, recipe, scale=None):
+def _quantize_per_tensor(t, role, recipe, scale=None, amax=None):
     """(fp8 data, scale_inv [1], amax [1]) of ``t`` for ``role``.
 
-    scale: None for current scaling (the scale comes from this tensor's amax), else the role's
-    delayed-scaling scale [1] from steps <= t-1, read only (delayed_update.py folds in step t).
+    scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
+    scale [1] from steps <= t-1, read only (delayed_update.py folds in step t). amax: ``t``'s amax
+    when the caller has it (all-reduced across ranks), else computed here.
     """
     fp8_dtype = recipe.fp8_format.dtype_for(role)
-    amax = tensor_amax(t)
+    amax = tensor_amax(t) if amax is None else amax
     if scale is None:
         scale = compute_scale(amax, fp8_dtype, force_pow_2_scales=recipe.use_power_2_scales,
                               amax_epsilon=recipe.amax_epsilon)
@@ -48,19 +55,25 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
 class Fp8LinearFunction(torch.autograd.Function):
     """Per-tensor FP8 (current or delayed scaling). x2d: [M, K], w_nk: [N, K].
 
-    Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read
+    ``groups``: per role (input, weight, grad_output) the groups whose amax all-reduce current scaling
+    needs (sharded_linear.py); NO_GROUPS in one process and for delayed scaling, whose update node
+    reduces the amaxes. Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read
     only, and, when a backward follows, ``carrier``: the backward returns this call's amaxes
     [input, weight, grad_output] as the carrier's gradient, and delayed_update.py folds them into the
     state once every site's backward has run. Current scaling passes None for all four.
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, recipe, carrier, x_scale, w_scale, g_scale):
-        xq, x_sinv, x_amax = _quantize_per_tensor(x2d, "input", recipe, x_scale)
-        wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale)
+    def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
+        x_amax, w_amax = tensor_amax(x2d), tensor_amax(w_nk)
+        if x_scale is None and (groups[0] or groups[1]):
+            x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
+        xq, x_sinv, x_amax = _quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
+        wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale, w_amax)
         xq, wq = xq.contiguous(), wq.contiguous()
         y = fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=x2d.dtype)
         ctx.recipe = recipe
+        ctx.g_groups = groups[2]
         ctx.dtypes = (x2d.dtype, w_nk.dtype)
         ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]),
@@ -71,14 +84,17 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         xq, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
+        g_amax = tensor_amax(grad_y)
+        if not g_scale and ctx.g_groups:
+            [g_amax] = reduce_amaxes([g_amax], [ctx.g_groups])
         gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", ctx.recipe,
-                                                  g_scale[0] if g_scale else None)
+                                                  g_scale[0] if g_scale else None, g_amax)
         gq = gq.contiguous()
         dx = dw = carrier_grad = None
         if ctx.needs_input_grad[0]:
             dx = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
             dw = fp8_gemm(gq.t().contiguous(), _column_major(xq), g_sinv, x_sinv, out_dtype=w_dtype)
-        if ctx.needs_input_grad[3]:
+        if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, None, carrier_grad, None, None, None
+        return dx, dw, None, None, carrier_grad, None, None, None

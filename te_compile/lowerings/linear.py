@@ -4,7 +4,8 @@ The backend replaces ``linear(x, w, b)`` (or ``addmm(b, x, w)`` with ``w: [in, o
 a ``LinearLowering``: plain Python around autograd.Functions, so aot_autograd traces forward and
 backward. Per-tensor recipes go to fp8_linear.py (torch._scaled_mm), block-scaled recipes and
 CustomRecipe to quantized_linear.py (quantizer objects; native block-scaled GEMMs where the pass found
-the device runs them, see block_gemm_probe.py, else dequantize-then-matmul).
+the device runs them, see block_gemm_probe.py, else dequantize-then-matmul). DTensor operands (tensor
+parallelism) run shard by shard through sharded_linear.py.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from typing import Optional
 
 import torch
 
+from ..distributed import AmaxGroup
 from ..recipe import Recipe
-from .fp8_linear import PER_TENSOR_RECIPES, Fp8LinearFunction
+from .fp8_linear import NO_GROUPS, PER_TENSOR_RECIPES, Fp8LinearFunction
 from .quantizers import FACTORY_RECIPES, quantizer_factory
 from .quantized_linear import QuantizedLinearFunction
+from .sharded_linear import plan_linear_sharding, sharded_linear
 
 __all__ = ["LinearSpec", "LinearLowering", "SUPPORTED_RECIPES", "gemm_kind"]
 
@@ -33,6 +36,9 @@ class LinearSpec:
     weight_in_out: bool = False   # the call reads the weight as [in, out] (x @ W, HF Conv1D addmm)
     native_gemm: bool = False     # block recipes: GEMMs through F.scaled_mm (block_gemm_probe said yes)
     weight_first: bool = False    # W @ x: y = (x.mT @ W.T).mT
+    # per role (input, weight, grad_output): groups current scaling all-reduces the amax over, for
+    # plain tensors sharded by hand ([distributed] sharded_modules); DTensors bring their own
+    amax_groups: tuple[tuple[AmaxGroup, ...], ...] = NO_GROUPS
 
 
 def gemm_kind(recipe: Recipe, native: bool = False, why: str = "") -> str:
@@ -100,17 +106,26 @@ class LinearLowering:
         return self._x_wt(x, weight, bias, delayed)
 
     def _x_wt(self, x, weight, bias, delayed) -> torch.Tensor:
-        """x [..., K] @ w_nk.T (+ bias) -> [..., N]."""
-        k = x.shape[-1]
-        x2d = x.reshape(-1, k)
+        """x [..., K] @ w_nk.T (+ bias) -> [..., N]; on DTensors shard by shard, the bias added by
+        DTensor (a row-parallel output is a partial sum: the replicated bias must be added once)."""
         w_nk = weight.t() if self.spec.weight_in_out else weight
+        plan = plan_linear_sharding(x, w_nk, self.spec.fqn)
+        if plan is None:
+            y = self._local(x, w_nk, delayed, self.spec.amax_groups)
+        else:
+            y = sharded_linear(lambda x_, w_, groups: self._local(x_, w_, delayed, groups), x, w_nk, plan,
+                               self.spec.amax_groups)
+        return y if bias is None else y + bias
+
+    def _local(self, x, w_nk, delayed, groups) -> torch.Tensor:
+        """x [..., K] @ w_nk.T -> [..., N] on plain tensors."""
+        x2d = x.reshape(-1, x.shape[-1])
         if self._factory is not None:
-            y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory, self.spec.native_gemm)
+            y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory, self.spec.native_gemm, groups)
         else:
             # current scaling: no carrier and no scales
-            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, *(delayed or (None,) * 4))
-        y = y.reshape(*x.shape[:-1], w_nk.shape[0])
-        return y if bias is None else y + bias
+            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, groups, *(delayed or (None,) * 4))
+        return y.reshape(*x.shape[:-1], w_nk.shape[0])
 
     def __repr__(self) -> str:
         native = ", native GEMMs" if self.spec.native_gemm else ""

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from ..tensor.quantized_tensor import Quantizer, prepare_for_saving, restore_from_saved
 from .block_gemm import native_block_gemm, native_pair_supported
+from .fp8_linear import NO_GROUPS
 from .gemm import dequantized_gemm
 
 __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
@@ -32,11 +33,17 @@ __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
 COLUMNWISE_ROW_MULTIPLE = 16
 
 
+_ROLE_INDEX = {"input": 0, "weight": 1, "grad_output": 2}
+
+
 def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
-              columnwise: bool = False):
-    """The asked copies of ``t`` quantized by ``factory(role)``, as a storage object."""
+              columnwise: bool = False, groups=NO_GROUPS):
+    """The asked copies of ``t`` quantized by ``factory(role)``, as a storage object. ``groups`` (per
+    role): where the format has a tensor-level amax (NVFP4), it is all-reduced over these."""
     quantizer = factory(role).copy()
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    if groups[_ROLE_INDEX[role]] and hasattr(quantizer, "amax_reduction_groups"):
+        quantizer.amax_reduction_groups = groups[_ROLE_INDEX[role]]
     quantizer.internal = True
     return quantizer.quantize(t)
 
@@ -56,22 +63,24 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 class QuantizedLinearFunction(torch.autograd.Function):
     """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``; ``native``: run the
-    GEMMs through F.scaled_mm (only where block_gemm_probe says the device can)."""
+    GEMMs through F.scaled_mm (only where block_gemm_probe says the device can); ``groups``: per role,
+    where the tensor-level amax is all-reduced on shards (sharded_linear.py)."""
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, factory, native=False):
+    def forward(ctx, x2d, w_nk, factory, native=False, groups=NO_GROUPS):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        qx = _quantize(factory, "input", x2d)
+        qx = _quantize(factory, "input", x2d, groups=groups)
         # Both weight copies in one call: formats with 2-D weight tiles (Float8 block 128x128, NVFP4
         # 16x16) then transpose the rowwise copy instead of quantizing w twice.
-        qw = _quantize(factory, "weight", w_nk, columnwise=needs_dx)
+        qw = _quantize(factory, "weight", w_nk, columnwise=needs_dx, groups=groups)
         x_quantizer = factory("input")
         if hasattr(x_quantizer, "qgemm"):  # a custom recipe may bring its own GEMM
             y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)
         else:
             y = _gemm(native, qx, qw, transpose_b=True, out_dtype=x2d.dtype)
         # Backward operands: x along M for wgrad, w along N for dgrad; None when not needed.
-        qx_col = _quantize(factory, "input", _pad_rows(x2d), rowwise=False, columnwise=True) if needs_dw else None
+        qx_col = (_quantize(factory, "input", _pad_rows(x2d), rowwise=False, columnwise=True, groups=groups)
+                  if needs_dw else None)
         qw_col = None
         if needs_dx:
             qw.update_usage(rowwise_usage=False)  # save only the copy dgrad reads
@@ -80,6 +89,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         ctx.save_for_backward(*tensors)
         ctx.factory = factory
         ctx.native = native
+        ctx.groups = groups
         ctx.dtypes = (x2d.dtype, w_nk.dtype)
         return y
 
@@ -90,9 +100,10 @@ class QuantizedLinearFunction(torch.autograd.Function):
         factory = ctx.factory
         dx = dw = None
         if ctx.needs_input_grad[0]:
-            qg = _quantize(factory, "grad_output", grad_y)
+            qg = _quantize(factory, "grad_output", grad_y, groups=ctx.groups)
             dx = _gemm(ctx.native, qg, qw_col, out_dtype=x_dtype)
         if ctx.needs_input_grad[1]:
-            qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), rowwise=False, columnwise=True)
+            qg_col = _quantize(factory, "grad_output", _pad_rows(grad_y), rowwise=False, columnwise=True,
+                               groups=ctx.groups)
             dw = _gemm(ctx.native, qg_col, qx_col, transpose_a=True, out_dtype=w_dtype)
-        return dx, dw, None, None
+        return dx, dw, None, None, None

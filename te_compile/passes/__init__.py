@@ -16,6 +16,8 @@ import torch
 import torch.fx as fx
 
 from ..config import TeConfig
+from ..config import ConfigError
+from ..distributed import AmaxGroup, resolve_amax_group
 from ..report import SiteRecord
 from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
@@ -32,6 +34,7 @@ class PassContext:
     config: TeConfig
     graph_id: int
     delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
+    amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
@@ -67,8 +70,12 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                graph_id: int = 0) -> PassResult:
     """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
     seen and the extra inputs the rewritten graph takes."""
+    try:
+        amax_group = resolve_amax_group(config.distributed.amax_group)
+    except ValueError as e:
+        raise ConfigError(f"{config.source}: distributed.{e}") from None
     scopes = graph_scopes(gm, example_inputs)
-    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs))
+    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

@@ -19,6 +19,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from ..distributed import minimal_groups
 from ..lowerings.delayed_update import ROLES, DelayedScalingUpdate, UpdateSpec
 from ..recipe import DelayedScaling
 from ..state import amax_anchor, state_for
@@ -58,6 +59,7 @@ class _Weight:
     recipe: DelayedScaling
     fqn: str                    # the first site using it
     nodes: list[fx.Node]        # its six top-level placeholders, in LinearState.tensors() order
+    groups: tuple = ()          # the groups its amaxes are all-reduced over (all its sites')
 
 
 @dataclass
@@ -74,9 +76,10 @@ class DelayedState:
     _site_weights: list[int] = field(default_factory=list)
 
     def site_inputs(self, scope: GraphScope, param: ParamRef, recipe: DelayedScaling, fqn: str,
-                    needs_carrier: bool) -> Union[list, str]:
+                    needs_carrier: bool, groups: tuple = ()) -> Union[list, str]:
         """The site's extra lowering arguments in ``scope``'s graph: (carrier or None, input scale,
-        weight scale, grad_output scale); or why the site cannot have them."""
+        weight scale, grad_output scale); or why the site cannot have them. ``groups``: the process
+        groups the site's amaxes must be all-reduced over before they enter the weight's histories."""
         weight = self._weights.get(id(param.value))
         if weight is None:
             where = fqn or "<root>"
@@ -89,6 +92,7 @@ class DelayedState:
         elif weight.recipe != recipe:
             return (f"its weight {param.name} is also used by {weight.fqn or '<root>'} under another "
                     f"DelayedScaling config; one weight keeps one state")
+        weight.groups = minimal_groups((*weight.groups, *groups))
         carrier = None
         if needs_carrier:
             carrier = scope.lift(self._new_carrier(weight, param), f"te_amax_carrier_{len(self._carriers) - 1}")
@@ -100,8 +104,9 @@ class DelayedState:
         """Give the update node its final spec and arguments; returns the extra inputs in order."""
         if self._update is not None:
             weights = sorted(self._weights.values(), key=lambda w: w.index)
-            self._update.target = DelayedScalingUpdate(
-                UpdateSpec(tuple(w.recipe for w in weights), tuple(self._site_weights)))
+            groups = tuple(w.groups for w in weights)
+            self._update.target = DelayedScalingUpdate(UpdateSpec(
+                tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else ()))
             self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
         return self.inputs
 

@@ -7,6 +7,7 @@ from typing import Optional
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from ..lowerings.sharded_linear import local_value
 from ..recipe import Recipe
 from .sites import LinearSite
 
@@ -52,7 +53,8 @@ def shape_str(site: LinearSite) -> str:
 
 
 def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
-    x, w = _value(site.x), _value(site.weight)
+    # DTensor operands run shard by shard: judge the local shards (a column-parallel N is N / tp)
+    x, w = local_value(_value(site.x)), local_value(_value(site.weight))
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
     if w.dim() != 2:

@@ -7,8 +7,11 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
+from ..distributed import describe_groups, minimal_groups
 from ..lowerings.block_gemm_probe import native_block_gemm_support, recipe_block_format
+from ..lowerings.fp8_linear import NO_GROUPS
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
+from ..lowerings.sharded_linear import plan_linear_sharding
 from ..report import SiteRecord
 from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope
@@ -28,6 +31,35 @@ def _gemm_path(site: LinearSite, recipe, config) -> tuple[bool, str]:
         return False, "native_block_gemm = false"
     x = site.x.meta["example_value"]
     return native_block_gemm_support(recipe, x.device, x.dtype)
+
+
+def _amax_reductions(ctx: "PassContext", site: LinearSite, recipe) -> tuple[tuple, tuple, str]:
+    """Across ranks: (per role, the groups the lowering all-reduces amaxes over for plain tensors
+    sharded by hand; the groups DelayedScaling's update reduces this weight's amaxes over; the
+    report's text). DTensor operands bring their mesh dims (sharded_linear.py)."""
+    x, w = site.x.meta.get("example_value"), site.weight.meta.get("example_value")
+    plan = plan_linear_sharding(x, w, site.fqn, w_in_out=site.weight_in_out)
+    plain = NO_GROUPS
+    if ctx.amax_group is not None and ctx.config.distributed.sharded(site.fqn):
+        plain = ((ctx.amax_group,),) * 3
+    roles = tuple(minimal_groups((*a, *b)) for a, b in zip(plan.groups if plan else NO_GROUPS, plain))
+    if recipe.delayed():
+        wanted = [ctx.amax_group] if recipe.reduce_amax and ctx.amax_group is not None else []
+        groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
+        text = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step" if groups else ""
+        return plain, groups, text
+    if not any(roles):
+        return plain, (), ""
+    if recipe.name in ("MXFP8BlockScaling", "Float8BlockScaling"):
+        return plain, (), "none needed: per-block scales"
+    if recipe.custom():
+        return plain, (), "none: custom quantizers get no amax reduction"
+    by_group: dict = {}
+    for role, groups in zip(("input", "weight", "grad_output"), roles):
+        for g in groups:
+            by_group.setdefault(g, []).append(role)
+    text = "; ".join(f"amax all-reduce over {g}: {', '.join(r)}" for g, r in by_group.items())
+    return plain, (), text
 
 
 def _backward_follows(site: LinearSite) -> bool:
@@ -53,10 +85,10 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
         recipe, why = config.recipe_for(site.fqn)
         where = f"; in a {scope.region}" if scope.region and scope.unsupported is None else ""
 
-        def record(rewritten: bool, reason: str, recipe_name=None) -> None:
+        def record(rewritten: bool, reason: str, recipe_name=None, collectives: str = "") -> None:
             ctx.record(scope, site.node, SiteRecord(
                 fqn=site.fqn, op="linear", recipe=recipe_name, rewritten=rewritten, reason=reason + where,
-                shapes=shape_str(site), graph=ctx.graph_id))
+                shapes=shape_str(site), graph=ctx.graph_id, collectives=collectives))
 
         if site.unsupported is not None:
             record(False, f"{site.unsupported} (left in high precision)")
@@ -74,16 +106,19 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
         if reason is not None:
             record(False, reason, recipe.name)
             continue
+        plain_groups, delayed_groups, collectives = _amax_reductions(ctx, site, recipe)
         extra = []
         if recipe.delayed():
-            extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, _backward_follows(site))
+            extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, _backward_follows(site),
+                                            delayed_groups)
             if isinstance(extra, str):
                 record(False, extra, recipe.name)
                 continue
         native, gemm_why = _gemm_path(site, recipe, config)
-        spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first)
+        spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
         planned.append((site, LinearLowering(spec), extra))
-        record(True, f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why)} ({why})", recipe.name)
+        record(True, f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why)} ({why})", recipe.name,
+               collectives)
     # Consumers first: rewriting a site erases its node, which a later site's x may still name
     # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
     for site, lowering, extra in reversed(planned):

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from ..distributed import reduce_amaxes
 from ..kernels.nvfp4_quantize import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize, unpack_e2m1
 from .block_scaled_tensor import (
     BlockScaledQuantizer,
@@ -109,7 +110,12 @@ class NVFP4Quantizer(BlockScaledQuantizer):
     """NVFP4 quantizer. ``with_2d_quantization``: 16x16 tiles (weights); ``stochastic_rounding``:
     unbiased random rounding (gradients), drawn from torch's default generator (rowwise [M, K] first,
     then columnwise [K, M]) so ``torch.manual_seed`` makes runs reproducible; ``with_rht``: the
-    16-point random Hadamard transform on the columnwise copy (the wgrad operand)."""
+    16-point random Hadamard transform on the columnwise copy (the wgrad operand).
+
+    ``amax_reduction_groups`` (te_compile.distributed.AmaxGroup, TransformerEngine's
+    ``amax_reduction_group``): for a tensor sharded across ranks, the tensor amax that sets the global
+    scale is all-reduced (MAX) over these groups, so the shards share one scale as one tensor would.
+    """
 
     _tensor_cls = NVFP4Tensor
     _storage_cls = NVFP4TensorStorage
@@ -120,6 +126,13 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         self.with_rht = bool(with_rht)
         self.stochastic_rounding = bool(stochastic_rounding)
         self.with_2d_quantization = bool(with_2d_quantization)
+        self.amax_reduction_groups: tuple = ()
+
+    def _amax(self, x2d: torch.Tensor) -> torch.Tensor:
+        amax = tensor_amax(x2d)
+        if self.amax_reduction_groups:
+            [amax] = reduce_amaxes([amax], [self.amax_reduction_groups])
+        return amax
 
     def _encode(self, x2d: torch.Tensor, amax: torch.Tensor):
         rand = None
@@ -134,7 +147,7 @@ class NVFP4Quantizer(BlockScaledQuantizer):
         if self.rowwise_usage:
             if k % NVFP4_BLOCK:
                 raise ValueError(f"NVFP4 needs the last dim to be a multiple of {NVFP4_BLOCK}, got {k}")
-            row_amax = tensor_amax(x2d)
+            row_amax = self._amax(x2d)
             data, scale = self._encode(x2d, row_amax)
             fields.update(rowwise_data=data, rowwise_scale_inv=scale, amax_rowwise=row_amax)
         if self.columnwise_usage:
@@ -150,7 +163,7 @@ class NVFP4Quantizer(BlockScaledQuantizer):
                 xt = x2d.t().contiguous()
                 if self.with_rht:
                     xt = apply_rht(xt)
-                col_amax = tensor_amax(xt)
+                col_amax = self._amax(xt)
                 data_t, scale_t = self._encode(xt, col_amax)
             fields.update(columnwise_data=data_t, columnwise_scale_inv=scale_t, amax_columnwise=col_amax)
         return fields

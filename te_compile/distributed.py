@@ -1,0 +1,140 @@
+"""Amax reductions across ranks: which process groups, and the collective that goes into the graph.
+
+Two kinds of reduction keep FP8 scales right when a model runs on several ranks:
+- Delayed scaling keeps amax histories per weight. Each rank sees other data (DDP) or another shard
+  (tensor parallel), so without a reduction the histories and scales drift apart. The amaxes a graph
+  records are all-reduced with MAX over the *amax group* before they enter the histories: one
+  coalesced all-reduce per graph and step (lowerings/delayed_update.py).
+- Current scaling computes a tensor's scale from its own amax. For a tensor sharded across ranks
+  (a row-parallel input, sequence-parallel activations, a sharded weight) the local amax is only
+  part of it: the amax is all-reduced over the group the tensor is sharded on first, so each rank's
+  FP8 bytes equal those of one process quantizing the whole tensor (lowerings/sharded_linear.py).
+
+The collective is a functional collective (``_c10d_functional.all_reduce`` + ``wait_tensor``): an
+ordinary node in the traced graph that inductor can schedule and overlap, under either compiler.
+Its autograd supports only sums, so amaxes are detached first (they never need a gradient).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+
+__all__ = ["AmaxGroup", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "reduce_amaxes",
+           "describe_groups"]
+
+
+@dataclass(frozen=True)
+class AmaxGroup:
+    """A process group an amax is all-reduced over: its c10d name (what funcol takes) and, for the
+    report and errors, a label ("world", a mesh dim name) and its size."""
+
+    name: str
+    label: str
+    size: int
+    ranks: tuple[int, ...]   # global ranks, to tell when one group covers another
+
+    def __str__(self) -> str:
+        return f"{self.label} ({self.size} ranks)"
+
+    def covers(self, other: "AmaxGroup") -> bool:
+        return set(other.ranks) <= set(self.ranks)
+
+
+def _group(pg, label: str) -> Optional[AmaxGroup]:
+    import torch.distributed as dist
+
+    if dist.get_rank(pg) < 0:
+        raise ValueError(f"amax group {label!r}: this process (global rank {dist.get_rank()}) is not a "
+                         f"member of it (ranks {dist.get_process_group_ranks(pg)}); every rank that runs "
+                         f"the model must be in its amax group")
+    size = dist.get_world_size(pg)
+    if size == 1:
+        return None   # a group of one needs no collective
+    return AmaxGroup(pg.group_name, label, size, tuple(dist.get_process_group_ranks(pg)))
+
+
+def mesh_dim_group(mesh, dim: int) -> Optional[AmaxGroup]:
+    """The group of ``mesh``'s dimension ``dim`` (None when it holds one rank)."""
+    names = mesh.mesh_dim_names
+    label = names[dim] if names else (f"mesh dim {dim}" if mesh.ndim > 1 else "mesh")
+    return _group(mesh.get_group(dim), label)
+
+
+def resolve_amax_group(spec: Any) -> Optional[AmaxGroup]:
+    """The amax group a config names, for this process; None when no collective is needed.
+
+    spec: "world" (the default process group, when torch.distributed is initialized), "none", a
+    ``ProcessGroup`` or a 1-D ``DeviceMesh``. Raises ValueError for a group this rank is not in and
+    for a mesh with more than one dimension (name the dim: ``mesh["dp"]``).
+    """
+    import torch.distributed as dist
+
+    if isinstance(spec, str) and spec == "none" or not dist.is_available() or not dist.is_initialized():
+        return None
+    if spec is dist.GroupMember.NON_GROUP_MEMBER:   # what dist.new_group returns on a non-member
+        raise ValueError(f"amax_group: this process (global rank {dist.get_rank()}) is not a member of "
+                         f"the group (dist.new_group returned NON_GROUP_MEMBER on this rank); every rank "
+                         f"that runs the model must be in its amax group")
+    if isinstance(spec, str) and spec == "world":
+        return _group(dist.group.WORLD, "world")
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if isinstance(spec, DeviceMesh):
+        if spec.ndim != 1:
+            raise ValueError(f"amax_group: a DeviceMesh must be 1-D, got a {spec.ndim}-D mesh "
+                             f"{tuple(spec.shape)} with dims {spec.mesh_dim_names}; pass one dim of it, "
+                             f"e.g. mesh[{(spec.mesh_dim_names or ('<name>',))[0]!r}]")
+        if spec.get_coordinate() is None:
+            raise ValueError(f"amax_group: this process (global rank {dist.get_rank()}) is not in the "
+                             f"mesh {spec.mesh.tolist()}")
+        return mesh_dim_group(spec, 0)
+    if isinstance(spec, dist.ProcessGroup):
+        return _group(spec, f"group {spec.group_name}")
+    raise ValueError(f"amax_group: expected 'world', 'none', a ProcessGroup or a 1-D DeviceMesh, "
+                     f"got {spec!r}")
+
+
+def minimal_groups(groups) -> tuple[AmaxGroup, ...]:
+    """``groups`` without duplicates and without a group another one covers (a max over the world
+    already includes the max over its tensor-parallel ranks)."""
+    unique = list(dict.fromkeys(g for g in groups if g is not None))
+    return tuple(g for g in unique if not any(o != g and o.covers(g) and (not g.covers(o) or
+                                                                          unique.index(o) < unique.index(g))
+                                              for o in unique))
+
+
+def _all_reduce_max(t: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
+    # NaN -> inf first: MAX implementations may drop a NaN, and a non-finite amax on any rank must
+    # read as non-finite on every rank (delayed scaling then keeps the scale everywhere alike).
+    t = t.detach()
+    t = torch.where(torch.isnan(t), torch.full_like(t, float("inf")), t)
+    out = torch.ops._c10d_functional.all_reduce.default(t, "max", group.name)
+    return torch.ops._c10d_functional.wait_tensor.default(out)
+
+
+def reduce_amaxes(amaxes: Sequence[torch.Tensor], groups: Sequence[Sequence[AmaxGroup]]
+                  ) -> list[torch.Tensor]:
+    """``amaxes[i]`` (fp32, any shape) all-reduced with MAX over every group in ``groups[i]``.
+
+    One collective per distinct group, however many amaxes need it: they are packed into one buffer,
+    reduced, and unpacked. Amaxes with no group are returned as they are.
+    """
+    out = list(amaxes)
+    distinct = list(dict.fromkeys(g for gs in groups for g in gs))
+    for group in distinct:
+        members = [i for i, gs in enumerate(groups) if group in gs]
+        flat = torch.cat([out[i].reshape(-1).float() for i in members])
+        reduced = _all_reduce_max(flat, group)
+        offset = 0
+        for i in members:
+            n = out[i].numel()
+            out[i] = reduced[offset:offset + n].reshape(out[i].shape).to(out[i].dtype)
+            offset += n
+    return out
+
+
+def describe_groups(groups: Sequence[AmaxGroup]) -> str:
+    return ", ".join(str(g) for g in groups)
