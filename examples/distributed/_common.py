@@ -1,0 +1,40 @@
+"""What both torchrun examples share: process group setup and the per-rank recipe-state check."""
+
+import os
+
+import torch
+import torch.distributed as dist
+
+import te_compile
+
+
+def setup() -> tuple[int, int, torch.device]:
+    """(rank, world size, device) under torchrun: nccl on CUDA (a GPU per rank), gloo on CPU."""
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+        dist.init_process_group("gloo")
+    return rank, world, device
+
+
+def check_state_identical(model: torch.nn.Module, rank: int) -> bool:
+    """Compare every recipe-state tensor (delayed scaling's scales and amax histories) across ranks;
+    rank 0 prints the result. True when all ranks hold the same values."""
+    state = {k: v.cpu() for k, v in te_compile.recipe_state_dict(model).items()}
+    gathered = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, state)
+    differ = sorted(k for k in state if any(not torch.equal(other[k], state[k]) for other in gathered))
+    if rank == 0:
+        if not state:
+            print("scale check: this recipe keeps no state across steps (current or block scaling)")
+        elif differ:
+            print(f"scale check: {len(differ)} of {len(state)} state tensors differ between ranks, "
+                  f"e.g. {differ[:3]}")
+        else:
+            print(f"scale check: all {len(state)} state tensors identical on {len(gathered)} ranks")
+    return not differ

@@ -1,0 +1,49 @@
+"""Data-parallel FP8 training with DelayedScaling: every rank keeps the same scales.
+
+    torchrun --nproc-per-node 2 examples/distributed/train_ddp.py [config.toml]
+
+Each rank trains on its own batches; DDP averages the gradients, and the te backend all-reduces the
+amaxes each compiled graph records (MAX over the world, one collective per graph and step, inside
+the graph) so the amax histories and scales stay identical on every rank. Default config:
+examples/delayed_scaling.toml. Runs on CPU (gloo) and on CUDA (nccl, one GPU per rank).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import te_compile
+from te_compile.data import get_batch
+from te_compile.models import gpt_small
+
+from _common import check_state_identical, setup
+
+STEPS = 20
+
+rank, world, device = setup()
+config = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parents[1] / "delayed_scaling.toml")
+torch.manual_seed(0)                                       # the same initial weights on every rank
+model = gpt_small().to(device)
+compiled = torch.compile(DDP(model), backend=te_compile.backend(config=config))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(1000 + rank)          # each rank its own data
+
+for step in range(1, STEPS + 1):
+    x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
+    _, loss = compiled(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    mean = loss.detach().clone()
+    dist.all_reduce(mean)
+    if rank == 0:
+        print(f"step {step:3d}  loss {mean.item() / world:.4f} (mean over {world} ranks)", flush=True)
+
+if rank == 0:
+    print(te_compile.report())
+ok = check_state_identical(model, rank)
+dist.destroy_process_group()
+sys.exit(0 if ok else 1)

@@ -1,0 +1,53 @@
+"""Tensor-parallel FP8 training: each MLP split column- then row-wise over the ranks.
+
+    torchrun --nproc-per-node 2 examples/distributed/train_tp.py [config.toml]
+
+``parallelize_module`` makes each block's ``mlp.fc`` weight a DTensor sharded by rows
+(ColwiseParallel) and ``mlp.proj`` one sharded by columns (RowwiseParallel); the model code is
+unchanged. The te backend quantizes the shards with the scale one process would compute for the
+whole tensor: current scaling all-reduces the amax of every sharded operand over the tp mesh (the
+report's "collectives" column says which), and delayed scaling reduces its histories once per graph
+and step. Default config: examples/current_scaling.toml. CPU (gloo) or CUDA (nccl, a GPU per rank).
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+import te_compile
+from te_compile.data import get_batch
+from te_compile.models import gpt_small
+
+from _common import check_state_identical, setup
+
+STEPS = 20
+
+rank, world, device = setup()
+config = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parents[1] / "current_scaling.toml")
+mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("tp",))
+torch.manual_seed(0)
+model = gpt_small().to(device)
+for block in model.blocks:
+    parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+compiled = torch.compile(model, backend=te_compile.backend(config=config))
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+gen = torch.Generator().manual_seed(1000)                  # tensor parallel: every rank the same batch
+
+for step in range(1, STEPS + 1):
+    x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
+    _, loss = compiled(x, y)
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    if rank == 0:
+        print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
+
+if rank == 0:
+    print(te_compile.report())
+ok = check_state_identical(model, rank)
+dist.destroy_process_group()
+sys.exit(0 if ok else 1)

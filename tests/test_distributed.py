@@ -1,0 +1,514 @@
+"""Amax reductions across ranks: DDP + DelayedScaling, tensor / sequence parallel, hand-sharded tensors.
+
+Each multi-process test spawns 2 CPU processes over gloo (a free port, one thread each, aot_eager so
+a compile costs seconds); a worker saves what it measured with torch.save and the test process
+asserts on it, so a failure shows as an ordinary assertion with both ranks' values.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+
+import te_compile
+from te_compile.config import ConfigError, DistributedConfig, config_from_dict
+from te_compile.distributed import AmaxGroup, minimal_groups
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+WORLD = 2
+ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
+
+
+class MLP(nn.Module):
+    def __init__(self, d: int = 32, hidden: int = 64, norm: bool = False) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(d) if norm else nn.Identity()
+        self.up = nn.Linear(d, hidden)
+        self.down = nn.Linear(hidden, d)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank: int, port: int, fn, out_dir: str, args) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHINDUCTOR_CACHE_DIR=os.path.join(out_dir, "inductor"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, tmp_path, *args) -> list:
+    """``fn(rank, *args)`` on each of 2 gloo ranks; the list of what each returned."""
+    mp.spawn(_entry, args=(_free_port(), fn, str(tmp_path), args), nprocs=WORLD, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+class _Patch:
+    """The one monkeypatch method AotGraphs needs, for use inside a worker."""
+
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+
+def _funcol_all_reduces(fn) -> int:
+    """How many functional all-reduces run while ``fn()`` runs (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "_c10d_functional::all_reduce")
+
+
+def _max_all_reduces(gm) -> int:
+    """All-reduce nodes with MAX (amax reductions; DTensor's and DDP's own collectives sum)."""
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is ALL_REDUCE
+               and n.args[1] == "max")
+
+
+def _state(model) -> dict:
+    return {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# DDP + DelayedScaling
+
+
+def _data(rank: int, step: int) -> torch.Tensor:
+    return torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(100 * step + rank)) * (1 + rank)
+
+
+def _ddp_worker(rank: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from utils import AotGraphs, count_calls
+
+    graphs = AotGraphs().install(_Patch())
+    options = {"recipe": "DelayedScaling", "amax_history_len": 4, "compiler": "aot_eager"}
+    out = {}
+    # tiny buckets: DDPOptimizer splits the graph into one piece per linear
+    dist._DEFAULT_FIRST_BUCKET_BYTES = 4096
+    for group in ("world", "none"):
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = MLP()
+        ddp = DDP(model, bucket_cap_mb=0.004)
+        compiled = torch.compile(ddp, backend="te", options={**options, "amax_group": group})
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        runs = 0
+        for step in range(3):
+            def train_step():
+                compiled(_data(rank, step)).pow(2).mean().backward()
+            if step == 2:
+                runs = _funcol_all_reduces(train_step)
+            else:
+                train_step()
+            opt.step()
+            opt.zero_grad()
+        out[group] = {"state": _state(model), "all_reduces_run": runs,
+                      "sites": [(s.graph, s.fqn, s.rewritten, s.collectives) for s in te_compile.report().sites]}
+    out["forward_all_reduces"] = [count_calls(g, ALL_REDUCE) for g in graphs.forward]
+    out["backward_all_reduces"] = [count_calls(g, ALL_REDUCE) for g in graphs.backward]
+
+    # one process on both ranks' data (mean over the global batch = DDP's averaged gradients)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    ref_model = MLP()
+    ref = torch.compile(ref_model, backend="te", options={**options, "amax_group": "none"})
+    opt = torch.optim.SGD(ref_model.parameters(), lr=0.1)
+    ref_losses, ddp_losses = [], []
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(DDP(model, bucket_cap_mb=0.004), backend="te", options=options)
+    ddp_opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(4):
+        x = torch.cat([_data(r, step) for r in range(WORLD)])
+        loss = ref(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss.item())
+        local = compiled(_data(rank, step)).pow(2).mean()
+        local.backward()
+        ddp_opt.step()
+        ddp_opt.zero_grad()
+        mean = local.detach().clone()
+        dist.all_reduce(mean)
+        ddp_losses.append(mean.item() / WORLD)
+    out["ref_losses"], out["ddp_losses"] = ref_losses, ddp_losses
+    return out
+
+
+@pytest.fixture(scope="module")
+def ddp_results(tmp_path_factory):
+    return run_ranks(_ddp_worker, tmp_path_factory.mktemp("ddp"))
+
+
+def test_ddp_delayed_scaling_state_identical_on_ranks(ddp_results):
+    a, b = ddp_results
+    assert a["world"]["state"].keys() == b["world"]["state"].keys() and len(a["world"]["state"]) == 12
+    differ = [k for k in a["world"]["state"] if not torch.equal(a["world"]["state"][k], b["world"]["state"][k])]
+    assert not differ, f"state differs between ranks with amax_group='world': {differ}"
+    # the ranks see different data (rank 1's is twice as large): without the reduction they drift
+    differ = [k for k in a["none"]["state"] if not torch.equal(a["none"]["state"][k], b["none"]["state"][k])]
+    assert any(k.endswith("input.amax_history") for k in differ), differ
+
+
+def test_ddp_one_all_reduce_per_graph_and_step(ddp_results):
+    for rank in ddp_results:
+        # DDPOptimizer split the model into 2 graphs; each reduces its amaxes once, in backward
+        assert [s[0] for s in rank["world"]["sites"]] == [0, 1]
+        assert rank["world"]["all_reduces_run"] == 2
+        assert rank["none"]["all_reduces_run"] == 0
+        assert sum(rank["forward_all_reduces"]) == 0
+        # world: 2 graphs with one all_reduce each; none: 2 graphs without
+        assert sorted(rank["backward_all_reduces"]) == [0, 0, 1, 1]
+        for _, fqn, rewritten, collectives in rank["world"]["sites"]:
+            assert rewritten and collectives == ("amax history all-reduce over world (2 ranks), one per "
+                                                 "graph and step"), (fqn, collectives)
+        assert all(c == "" for *_, c in rank["none"]["sites"])
+
+
+def test_ddp_loss_tracks_one_process(ddp_results):
+    ref, got = ddp_results[0]["ref_losses"], ddp_results[0]["ddp_losses"]
+    assert got == pytest.approx(ref, rel=2e-3), (got, ref)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor and sequence parallel
+
+
+def _record_gemms():
+    """Record the operands of every FP8 GEMM the per-tensor lowering runs (eager)."""
+    import te_compile.lowerings.fp8_linear as fp8_linear
+
+    calls = []
+    real = fp8_linear.fp8_gemm
+
+    def recording(a, b, a_scale_inv, b_scale_inv, out_dtype):
+        calls.append((a.view(torch.uint8).clone(), b.view(torch.uint8).clone(), a_scale_inv.clone(),
+                      b_scale_inv.clone()))
+        return real(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype)
+
+    fp8_linear.fp8_gemm = recording
+    return calls, lambda: setattr(fp8_linear, "fp8_gemm", real)
+
+
+def _tp_model(mesh, recipe_model: MLP, sequence_parallel: bool = False) -> MLP:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel, SequenceParallel,
+                                                   parallelize_module)
+
+    model = MLP(norm=sequence_parallel)
+    model.load_state_dict(recipe_model.state_dict())
+    if sequence_parallel:
+        plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                "down": RowwiseParallel(output_layouts=Shard(1))}
+    else:
+        plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+    return parallelize_module(model, mesh, plan)
+
+
+def _full(t):
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _tp_worker(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from te_compile.lowerings.linear import LinearLowering, LinearSpec
+    from te_compile.recipe import Float8CurrentScaling
+
+    out = {}
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    torch.manual_seed(0)
+    x = torch.randn(4, 8, 32)
+    w_up, w_down = torch.randn(64, 32), torch.randn(32, 64) * 3
+
+    # 1. The FP8 bytes of every GEMM operand on a shard are the matching slice of one process's.
+    recipe = Float8CurrentScaling()
+    up = LinearLowering(LinearSpec("up", recipe))
+    down = LinearLowering(LinearSpec("down", recipe))
+    calls, restore = _record_gemms()
+    try:
+        xr = x.clone().requires_grad_()
+        ref = down(torch.relu(up(xr, w_up.requires_grad_(), None)), w_down.requires_grad_(), None)
+        ref.sum().backward()
+        ref_calls = list(calls)
+        calls.clear()
+        xd = DTensor.from_local(x.clone(), mesh, [Replicate()]).requires_grad_()
+        wd_up = nn.Parameter(DTensor.from_local(w_up.detach().chunk(WORLD, 0)[rank], mesh, [Shard(0)]))
+        wd_down = nn.Parameter(DTensor.from_local(w_down.detach().chunk(WORLD, 1)[rank], mesh, [Shard(1)]))
+        y = down(torch.relu(up(xd, wd_up, None)), wd_down, None)
+        y_full = y.full_tensor()
+        y_full.sum().backward()
+        out["sharded_calls"], out["ref_calls"] = list(calls), ref_calls
+        out["y"], out["ref_y"] = y_full.detach(), ref.detach()
+        out["y_placements"] = str(y.placements)
+        out["grads"] = [_full(t.grad) for t in (xd, wd_up, wd_down)]
+        out["ref_grads"] = [t.grad for t in (xr, w_up, w_down)]
+    finally:
+        restore()
+
+    # 2. Compiled, 1-D mesh and a 2-D (dp=1, tp=2) mesh, several recipes: matches one process.
+    from utils import AotGraphs
+
+    graphs = AotGraphs().install(_Patch())
+    cases = [("Float8CurrentScaling", "1d", False), ("DelayedScaling", "1d", False),
+             ("MXFP8BlockScaling", "1d", False), ("NVFP4BlockScaling", "1d", False),
+             ("Float8CurrentScaling", "2d", False), ("Float8CurrentScaling", "1d", True)]
+    mesh_2d = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    out["compiled"] = {}
+    for recipe_name, mesh_kind, sp in cases:
+        torch._dynamo.reset()
+        te_compile.reset()
+        graphs.forward.clear()
+        graphs.backward.clear()
+        torch.manual_seed(1)
+        base = MLP(norm=sp)
+        tp_mesh = mesh if mesh_kind == "1d" else mesh_2d["tp"]
+        options = {"recipe": recipe_name, "compiler": "aot_eager"}
+        if mesh_kind == "2d":
+            options["amax_group"] = mesh_2d["dp"]   # one rank: no collective for it
+        ref_model = MLP(norm=sp)
+        ref_model.load_state_dict(base.state_dict())
+        tp = torch.compile(_tp_model(tp_mesh, base, sp), backend="te", options=options)
+        ref = torch.compile(ref_model, backend="te", options=options)
+        results = []
+        for step in range(2):
+            torch.manual_seed(10 + step)
+            xs = torch.randn(2, 8, 32)
+            if sp:   # sequence parallel: each rank holds its part of the sequence, in and out
+                y_local = tp(xs.chunk(WORLD, 1)[rank])
+                y_local.pow(2).sum().backward()
+                parts = [torch.empty_like(y_local) for _ in range(WORLD)]
+                dist.all_gather(parts, y_local.detach().contiguous())
+                y = torch.cat(parts, dim=1)
+            else:
+                y = _full(tp(xs))
+                y.pow(2).sum().backward()
+            y_ref = ref(xs)
+            y_ref.pow(2).sum().backward()
+            results.append((y.detach(), y_ref.detach()))
+        tp_model = tp._orig_mod
+        grads = {n: (_full(p.grad), dict(ref_model.named_parameters())[n].grad)
+                 for n, p in tp_model.named_parameters()}
+        sites = [(s.fqn, s.rewritten, s.collectives) for s in te_compile.report().sites]
+        fwd = [_max_all_reduces(g) for g in graphs.forward]
+        bwd = [_max_all_reduces(g) for g in graphs.backward]
+        state = _state(tp_model) if recipe_name == "DelayedScaling" else {}
+        ref_state = _state(ref_model) if recipe_name == "DelayedScaling" else {}
+        out["compiled"][(recipe_name, mesh_kind, sp)] = dict(results=results, grads=grads, sites=sites,
+                                                             fwd=fwd, bwd=bwd, state=state, ref_state=ref_state)
+    return out
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory):
+    return run_ranks(_tp_worker, tmp_path_factory.mktemp("tp"))
+
+
+def test_tp_shards_quantize_to_one_process_bytes(tp_results):
+    for rank, r in enumerate(tp_results):
+        ref, got = r["ref_calls"], r["sharded_calls"]
+        assert len(ref) == len(got) == 6   # two linears: fprop, dgrad, wgrad each
+        # forward: up (x replicated, w rows sharded), down (x and w sharded along K)
+        (ux, uw, usx, usw), (dx, dw, dsx, dsw) = got[0], got[1]
+        (rux, ruw, rusx, rusw), (rdx, rdw, rdsx, rdsw) = ref[0], ref[1]
+        assert torch.equal(usx, rusx) and torch.equal(usw, rusw) and torch.equal(dsx, rdsx) and torch.equal(dsw, rdsw)
+        assert torch.equal(ux, rux)
+        # b operands are w.T (column-major [K, N]): up's N and down's K are split by rank
+        assert torch.equal(uw, ruw.chunk(WORLD, 1)[rank])
+        assert torch.equal(dx, rdx.chunk(WORLD, 1)[rank])
+        assert torch.equal(dw, rdw.chunk(WORLD, 0)[rank])
+        # backward: every grad_output scale equals one process's (up's gradient is sharded along N)
+        for (_, _, sa, _), (_, _, rsa, _) in zip(got[2:], ref[2:]):
+            assert torch.equal(sa, rsa)
+        assert r["y_placements"] == "(Partial(sum),)"
+        torch.testing.assert_close(r["y"], r["ref_y"], rtol=1e-5, atol=1e-5)
+        for g, rg in zip(r["grads"], r["ref_grads"]):
+            torch.testing.assert_close(g, rg, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("case", [("Float8CurrentScaling", "1d", False), ("DelayedScaling", "1d", False),
+                                  ("MXFP8BlockScaling", "1d", False), ("NVFP4BlockScaling", "1d", False),
+                                  ("Float8CurrentScaling", "2d", False), ("Float8CurrentScaling", "1d", True)],
+                         ids=lambda c: f"{c[0]}-{c[1]}{'-sp' if c[2] else ''}")
+def test_tp_compiled_matches_one_process(tp_results, case):
+    recipe, _, sp = case
+    for rank in tp_results:
+        r = rank["compiled"][case]
+        fqns = ["norm", "up", "down"] if sp else ["up", "down"]
+        assert [s[0] for s in r["sites"]] == [f for f in fqns if f != "norm"] * 2   # tp model, then ref
+        assert all(s[1] for s in r["sites"])
+        # NVFP4's stochastic rounding draws other random numbers per shard: compare loosely
+        tol = dict(rtol=0.1, atol=0.5) if recipe == "NVFP4BlockScaling" else dict(rtol=1e-5, atol=1e-4)
+        for y, y_ref in r["results"]:
+            torch.testing.assert_close(y, y_ref, **tol)
+        for name, (g, g_ref) in r["grads"].items():
+            if recipe == "NVFP4BlockScaling":
+                continue
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-3, msg=lambda m: f"{name}: {m}")
+        for key in r["state"]:
+            torch.testing.assert_close(r["state"][key], r["ref_state"][key], rtol=1e-5, atol=0)
+        tp_rows, ref_rows = r["sites"][:len(r["sites"]) // 2], r["sites"][len(r["sites"]) // 2:]
+        # the one-process model runs on both ranks alike; only DelayedScaling reduces its amaxes there
+        assert all((c != "") == (recipe == "DelayedScaling") for *_, c in ref_rows)
+        texts = {fqn: c for fqn, _, c in tp_rows}
+        if recipe in ("Float8CurrentScaling", "NVFP4BlockScaling"):
+            assert texts == {"up": "amax all-reduce over tp (2 ranks): weight, grad_output",
+                             "down": "amax all-reduce over tp (2 ranks): input, weight"}
+        elif recipe == "MXFP8BlockScaling":
+            assert set(texts.values()) == {"none needed: per-block scales"}
+        else:
+            assert set(texts.values()) == {"amax history all-reduce over world (2 ranks), one per graph and step"}
+
+
+def test_tp_collectives_are_graph_nodes(tp_results):
+    for rank in tp_results:
+        cs = rank["compiled"][("Float8CurrentScaling", "1d", False)]
+        # tp graph: up (w) + down (x, w packed) in forward, up's grad_output in backward; ref graph: none
+        assert cs["fwd"] == [2, 0] and cs["bwd"] == [1, 0]
+        ds = rank["compiled"][("DelayedScaling", "1d", False)]
+        # delayed: nothing in forward; one all_reduce for both weights' amaxes in backward, in the tp
+        # graph and in the one-process graph (it runs on both ranks, so its amax group is the world)
+        assert ds["fwd"] == [0, 0] and ds["bwd"] == [1, 1]
+        mx = rank["compiled"][("MXFP8BlockScaling", "1d", False)]
+        assert mx["fwd"] == [0, 0] and mx["bwd"] == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain tensors sharded by hand, and errors
+
+
+class HandShardedMLP(nn.Module):
+    """Column- then row-parallel written by hand: each rank holds its slice as a plain parameter."""
+
+    def __init__(self, full: MLP, rank: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64 // WORLD)
+        self.down = nn.Linear(64 // WORLD, 32, bias=False)
+        with torch.no_grad():
+            self.up.weight.copy_(full.up.weight.chunk(WORLD, 0)[rank])
+            self.up.bias.copy_(full.up.bias.chunk(WORLD, 0)[rank])
+            self.down.weight.copy_(full.down.weight.chunk(WORLD, 1)[rank])
+        self.bias = nn.Parameter(full.down.bias.detach().clone())
+
+    def forward(self, x):
+        import torch.distributed._functional_collectives as funcol
+
+        partial = self.down(torch.relu(self.up(x)))
+        return funcol.all_reduce(partial, "sum", dist.group.WORLD) + self.bias
+
+
+def _hand_worker(rank: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out = {}
+    torch.manual_seed(0)
+    full = MLP()
+    x = torch.randn(4, 8, 32)
+    results = {}
+    for sharded in ([], ["up", "down"]):
+        te_compile.reset()
+        model = torch.compile(HandShardedMLP(full, rank), backend="te",
+                              options={"recipe": "Float8CurrentScaling", "compiler": "aot_eager",
+                                       "distributed": {"sharded_modules": sharded}})
+        results[bool(sharded)] = (model(x).detach(), [(s.fqn, s.collectives) for s in te_compile.report().sites])
+    ref = torch.compile(MLP(), backend="te", options={"recipe": "Float8CurrentScaling", "compiler": "aot_eager"})
+    ref._orig_mod.load_state_dict(full.state_dict())
+    out["results"], out["ref"] = results, ref(x).detach()
+
+    # errors at compile: a group this rank is not in, a 2-D mesh
+    errors = {}
+    other = dist.new_group([1 - rank])
+    mesh_2d = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
+    for name, group in (("not a member", other), ("2-D mesh", mesh_2d)):
+        torch._dynamo.reset()
+        try:
+            torch.compile(MLP(), backend="te", options={"compiler": "aot_eager", "amax_group": group})(x)
+            errors[name] = None
+        except ConfigError as e:
+            errors[name] = str(e)
+    out["errors"] = errors
+    return out
+
+
+@pytest.fixture(scope="module")
+def hand_results(tmp_path_factory):
+    return run_ranks(_hand_worker, tmp_path_factory.mktemp("hand"))
+
+
+def test_hand_sharded_modules_reduce_amaxes(hand_results):
+    for r in hand_results:
+        y_local, rows_local = r["results"][False]
+        y_sharded, rows = r["results"][True]
+        # with the reduction each shard uses the whole tensor's scale: equal to one process up to the
+        # order of the partial sums; without it, the shards' own scales give other bytes
+        torch.testing.assert_close(y_sharded, r["ref"], rtol=1e-5, atol=1e-5)
+        assert not torch.allclose(y_local, r["ref"], rtol=1e-5, atol=1e-5)
+        assert dict(rows) == {"up": "amax all-reduce over world (2 ranks): input, weight, grad_output",
+                              "down": "amax all-reduce over world (2 ranks): input, weight, grad_output"}
+        assert all(c == "" for _, c in rows_local)
+
+
+def test_amax_group_errors_at_compile(hand_results):
+    for rank, r in enumerate(hand_results):
+        assert "is not a member" in r["errors"]["not a member"] and f"global rank {rank}" in r["errors"]["not a member"]
+        assert "must be 1-D" in r["errors"]["2-D mesh"] and "mesh['dp']" in r["errors"]["2-D mesh"]
+
+
+# ---------------------------------------------------------------------------------------------
+# One process: config and group arithmetic
+
+
+def test_distributed_config_from_toml_tables():
+    cfg = config_from_dict({"distributed": {"amax_group": "none", "sharded_modules": ["layers.*.mlp.*"]}}, "f.toml")
+    assert cfg.distributed == DistributedConfig("none", ("layers.*.mlp.*",))
+    assert cfg.distributed.sharded("layers.3.mlp.up") and not cfg.distributed.sharded("lm_head")
+    assert config_from_dict({"amax_group": "none"}, "options").distributed.amax_group == "none"
+    assert config_from_dict({}, "f").distributed == DistributedConfig()
+
+
+@pytest.mark.parametrize("table, key, words", [
+    ({"distributed": {"amax_group": "tp"}}, "distributed.amax_group", "allowed: ['world', 'none']"),
+    ({"distributed": {"group": "world"}}, "distributed.group", "allowed keys: ['amax_group', 'sharded_modules']"),
+    ({"distributed": {"sharded_modules": "up"}}, "distributed.sharded_modules", "array of module globs"),
+    ({"distributed": {"sharded_modules": ["up["]}}, "distributed.sharded_modules[0]", "without a closing"),
+    ({"amax_group": 3}, "amax_group", "a ProcessGroup or a 1-D DeviceMesh"),
+])
+def test_distributed_config_errors_name_the_key(table, key, words):
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(table, "fp8.toml")
+    assert str(info.value).startswith(f"fp8.toml: {key}: ") and words in str(info.value)
+
+
+def test_minimal_groups_drops_covered_groups():
+    world = AmaxGroup("0", "world", 4, (0, 1, 2, 3))
+    tp = AmaxGroup("1", "tp", 2, (0, 1))
+    dp = AmaxGroup("2", "dp", 2, (0, 2))
+    assert minimal_groups([tp, world, tp]) == (world,)
+    assert minimal_groups([tp, dp]) == (tp, dp)
+    assert minimal_groups([None, tp]) == (tp,)
+    assert str(tp) == "tp (2 ranks)"
