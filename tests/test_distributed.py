@@ -489,6 +489,22 @@ def _hand_worker(rank: int) -> dict:
             errors[name] = None
         except ConfigError as e:
             errors[name] = str(e)
+    # a linear whose operands live on different meshes, or mix DTensor and plain tensor
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    from te_compile.lowerings.sharded_linear import plan_linear_sharding
+
+    mesh_a = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    mesh_b = DeviceMesh("cpu", torch.arange(WORLD).flip(0), mesh_dim_names=("tp",))
+    x_a = DTensor.from_local(torch.randn(4, 32), mesh_a, [Replicate()])
+    w_b = DTensor.from_local(torch.randn(8, 32), mesh_b, [Shard(0)])
+    for name, (xx, ww) in (("mesh mismatch", (x_a, w_b)), ("mixed", (x_a, torch.randn(8, 32)))):
+        try:
+            plan_linear_sharding(xx, ww, "blocks.0.up")
+            errors[name] = None
+        except ValueError as e:
+            errors[name] = str(e)
     out["errors"] = errors
     return out
 
@@ -515,6 +531,8 @@ def test_amax_group_errors_at_compile(hand_results):
     for rank, r in enumerate(hand_results):
         assert "is not a member" in r["errors"]["not a member"] and f"global rank {rank}" in r["errors"]["not a member"]
         assert "must be 1-D" in r["errors"]["2-D mesh"] and "mesh['dp']" in r["errors"]["2-D mesh"]
+        assert r["errors"]["mesh mismatch"].startswith("blocks.0.up: the input lives on mesh")
+        assert "DTensor cannot mix them" in r["errors"]["mixed"]
 
 
 # ---------------------------------------------------------------------------------------------

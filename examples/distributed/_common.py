@@ -1,6 +1,8 @@
-"""What both torchrun examples share: process group setup and the per-rank recipe-state check."""
+"""What both torchrun examples share: process group setup, and the report and per-rank recipe-state
+check at the end."""
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -38,3 +40,12 @@ def check_state_identical(model: torch.nn.Module, rank: int) -> bool:
         else:
             print(f"scale check: all {len(state)} state tensors identical on {len(gathered)} ranks")
     return not differ
+
+
+def finish(model: torch.nn.Module, rank: int) -> None:
+    """Print the report (rank 0), check the state across ranks, and exit non-zero if it differs."""
+    if rank == 0:
+        print(te_compile.report())
+    ok = check_state_identical(model, rank)
+    dist.destroy_process_group()
+    sys.exit(0 if ok else 1)

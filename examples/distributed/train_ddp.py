@@ -19,7 +19,7 @@ import te_compile
 from te_compile.data import get_batch
 from te_compile.models import gpt_small
 
-from _common import check_state_identical, setup
+from _common import finish, setup
 
 STEPS = 20
 
@@ -42,8 +42,4 @@ for step in range(1, STEPS + 1):
     if rank == 0:
         print(f"step {step:3d}  loss {mean.item() / world:.4f} (mean over {world} ranks)", flush=True)
 
-if rank == 0:
-    print(te_compile.report())
-ok = check_state_identical(model, rank)
-dist.destroy_process_group()
-sys.exit(0 if ok else 1)
+finish(model, rank)

@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -22,7 +21,7 @@ import te_compile
 from te_compile.data import get_batch
 from te_compile.models import gpt_small
 
-from _common import check_state_identical, setup
+from _common import finish, setup
 
 STEPS = 20
 
@@ -46,8 +45,4 @@ for step in range(1, STEPS + 1):
     if rank == 0:
         print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
 
-if rank == 0:
-    print(te_compile.report())
-ok = check_state_identical(model, rank)
-dist.destroy_process_group()
-sys.exit(0 if ok else 1)
+finish(model, rank)
