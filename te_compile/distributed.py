@@ -98,12 +98,14 @@ def resolve_amax_group(spec: Any) -> Optional[AmaxGroup]:
 
 
 def minimal_groups(groups) -> tuple[AmaxGroup, ...]:
-    """``groups`` without duplicates and without a group another one covers (a max over the world
-    already includes the max over its tensor-parallel ranks)."""
-    unique = list(dict.fromkeys(g for g in groups if g is not None))
-    return tuple(g for g in unique if not any(o != g and o.covers(g) and (not g.covers(o) or
-                                                                          unique.index(o) < unique.index(g))
-                                              for o in unique))
+    """``groups`` without None, duplicates and groups another one covers (a max over the world
+    already includes the max over its tensor-parallel ranks); first come first kept."""
+    kept: list[AmaxGroup] = []
+    for group in dict.fromkeys(g for g in groups if g is not None):
+        if any(k.covers(group) for k in kept):
+            continue
+        kept = [k for k in kept if not group.covers(k)] + [group]
+    return tuple(kept)
 
 
 def _all_reduce_max(t: torch.Tensor, group: AmaxGroup) -> torch.Tensor:

@@ -57,7 +57,9 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     ``groups``: per role (input, weight, grad_output) the groups whose amax all-reduce current scaling
     needs (sharded_linear.py); NO_GROUPS in one process and for delayed scaling, whose update node
-    reduces the amaxes. Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read
+    reduces the amaxes.
+
+    Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read
     only, and, when a backward follows, ``carrier``: the backward returns this call's amaxes
     [input, weight, grad_output] as the carrier's gradient, and delayed_update.py folds them into the
     state once every site's backward has run. Current scaling passes None for all four.
