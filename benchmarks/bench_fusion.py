@@ -1,0 +1,118 @@
+"""What norm / activation fusion must improve, measured on one GPT training step (fwd + bwd):
+generated kernels, FP8 casts in the forward, and bytes saved for backward; te recipes vs inductor.
+
+    python benchmarks/bench_fusion.py                      # CPU: 8x64x128, 1 block
+    python benchmarks/bench_fusion.py --size 8x128x256 --layers 2 --device cuda
+
+- kernels: ``torch._inductor.metrics.generated_kernel_count`` over a cold compile of forward and
+  backward (the FX-graph cache is switched off so every provider generates its code);
+- fp8 casts (fwd): conversions to an fp8 dtype in the AOT forward graph, i.e. FP8 buffers the
+  forward writes before inductor fuses anything (a norm output read by q, k, v counts once when it is
+  quantized once);
+- saved bytes: the distinct storages the compiled forward hands to autograd for the backward
+  (``saved_tensors_hooks``, parameters excluded), and their ratio to the high-precision run.
+No timing: a benchmark of structure, stable across machines and runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+from tabulate import tabulate
+
+import te_compile
+from te_compile.cli import _saved_for_backward_bytes as saved_bytes   # the demo's measure
+from te_compile.models import GPT
+
+RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
+
+
+def _model(t: int, c: int, layers: int, device: torch.device) -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=256, n_layer=layers, n_head=max(4, c // 128), n_embd=c, block_size=t).to(device)
+
+
+def _fp8_casts(gm: torch.fx.GraphModule) -> int:
+    fp8 = {torch.float8_e4m3fn, torch.float8_e5m2}
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function"
+               and getattr(n.target, "overloadpacket", None) in (torch.ops.aten._to_copy,
+                                                                 torch.ops.prims.convert_element_type)
+               and (n.kwargs.get("dtype") in fp8 or (len(n.args) > 1 and n.args[1] in fp8)))
+
+
+class _ForwardGraphs:
+    """While active, every inductor compile (``compile_fx``, which the te backend imports at call time)
+    records the AOT forward graphs it receives."""
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def compile_fx(self, gm, example_inputs, **kwargs):
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        def inner_compile(g, ex, **kw):
+            if not kw.get("is_backward", False):
+                self.graphs.append(g)
+            return compile_fx_inner(g, ex, **kw)
+
+        return self._original(gm, example_inputs, inner_compile=inner_compile, **kwargs)
+
+    def __enter__(self):
+        import torch._inductor.compile_fx as cfx
+
+        self._original = cfx.compile_fx
+        cfx.compile_fx = self.compile_fx
+        return self
+
+    def __exit__(self, *exc):
+        import torch._inductor.compile_fx as cfx
+
+        cfx.compile_fx = self._original
+
+
+def _measure(provider: str, model, x, y) -> dict:
+    from torch._inductor import metrics
+
+    torch._dynamo.reset()
+    metrics.reset()
+    with _ForwardGraphs() as forwards:
+        if provider == "inductor":
+            compiled = torch.compile(model, backend=forwards.compile_fx)
+        else:
+            compiled = torch.compile(model, backend=te_compile.backend(recipe=provider))
+        saved = saved_bytes(compiled, x, y)
+    return {"provider": provider if provider == "inductor" else f"te {provider}",
+            "kernels": metrics.generated_kernel_count,
+            "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="8x64x128", help="BxTxC (default 8x64x128)")
+    parser.add_argument("--layers", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    import torch._inductor.config as inductor_config
+
+    inductor_config.fx_graph_cache = False   # every provider generates (and counts) its kernels
+    b, t, c = (int(v) for v in args.size.split("x"))
+    device = torch.device(args.device)
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (b, t), generator=gen).to(device)
+    y = torch.randint(0, 256, (b, t), generator=gen).to(device)
+    rows = []
+    for provider in ("inductor", *RECIPES):
+        row = _measure(provider, _model(t, c, args.layers, device), x, y)
+        rows.append(row)
+        print(f"{row['provider']}: done", flush=True)
+    base = rows[0]
+    table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["fp8 casts (fwd)"],
+              f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x") for r in rows]
+    print(f"\nGPT {args.layers} block(s), {args.size} on {device.type}, torch {torch.__version__}")
+    print(tabulate(table, headers=["provider", "kernels", "vs inductor", "fp8 casts (fwd)", "saved MiB",
+                                   "saved vs inductor"], disable_numparse=True))
+
+
+if __name__ == "__main__":
+    main()
