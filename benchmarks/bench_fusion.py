@@ -6,6 +6,9 @@ generated kernels, FP8 casts in the forward, and bytes saved for backward; te re
 
 - kernels: ``torch._inductor.metrics.generated_kernel_count`` over a cold compile of forward and
   backward (the FX-graph cache is switched off so every provider generates its code);
+- launches: the kernel calls in the generated forward and backward code (cpp / Triton kernels,
+  extern GEMMs, other ops): what one step runs. On CPU the C++ backend fuses a norm or an activation
+  with the amax and the FP8 cast in one kernel, so launches can stay close while kernels double;
 - fp8 casts (fwd): conversions to an fp8 dtype in the AOT forward graph, i.e. FP8 buffers the
   forward writes before inductor fuses anything (a norm output read by q, k, v counts once when it is
   quantized once);
@@ -17,6 +20,7 @@ No timing: a benchmark of structure, stable across machines and runs.
 from __future__ import annotations
 
 import argparse
+import re
 
 import torch
 from tabulate import tabulate
@@ -71,19 +75,53 @@ class _ForwardGraphs:
         cfx.compile_fx = self._original
 
 
+_LAUNCH = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(",
+                     re.MULTILINE)
+
+
+class _GeneratedCode:
+    """While active, the source of every module inductor generates (its output code)."""
+
+    def __init__(self) -> None:
+        self.sources: list[str] = []
+
+    def __enter__(self):
+        from torch._inductor.graph import GraphLowering
+
+        self._original = GraphLowering.compile_to_module
+        sources, original = self.sources, self._original
+
+        def compile_to_module(graph, *args, **kwargs):
+            module = original(graph, *args, **kwargs)
+            with open(module.__file__) as f:
+                sources.append(f.read())
+            return module
+
+        GraphLowering.compile_to_module = compile_to_module
+        return self
+
+    def __exit__(self, *exc):
+        from torch._inductor.graph import GraphLowering
+
+        GraphLowering.compile_to_module = self._original
+
+    def launches(self) -> int:
+        return sum(len(_LAUNCH.findall(src)) for src in self.sources)
+
+
 def _measure(provider: str, model, x, y) -> dict:
     from torch._inductor import metrics
 
     torch._dynamo.reset()
     metrics.reset()
-    with _ForwardGraphs() as forwards:
+    with _ForwardGraphs() as forwards, _GeneratedCode() as code:
         if provider == "inductor":
             compiled = torch.compile(model, backend=forwards.compile_fx)
         else:
             compiled = torch.compile(model, backend=te_compile.backend(recipe=provider))
         saved = saved_bytes(compiled, x, y)
     return {"provider": provider if provider == "inductor" else f"te {provider}",
-            "kernels": metrics.generated_kernel_count,
+            "kernels": metrics.generated_kernel_count, "launches": code.launches(),
             "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
 
 
@@ -107,11 +145,13 @@ def main() -> None:
         rows.append(row)
         print(f"{row['provider']}: done", flush=True)
     base = rows[0]
-    table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["fp8 casts (fwd)"],
+    table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["launches"],
+              f"{r['launches'] / base['launches']:.2f}x", r["fp8 casts (fwd)"],
               f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x") for r in rows]
     print(f"\nGPT {args.layers} block(s), {args.size} on {device.type}, torch {torch.__version__}")
-    print(tabulate(table, headers=["provider", "kernels", "vs inductor", "fp8 casts (fwd)", "saved MiB",
-                                   "saved vs inductor"], disable_numparse=True))
+    headers = ["provider", "kernels", "vs inductor", "launches", "vs inductor", "fp8 casts (fwd)", "saved MiB",
+               "saved vs inductor"]
+    print(tabulate(table, headers=headers, disable_numparse=True))
 
 
 if __name__ == "__main__":
