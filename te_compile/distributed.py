@@ -22,8 +22,15 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-__all__ = ["AmaxGroup", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "reduce_amaxes",
-           "describe_groups"]
+from .state import STATE_ROLES
+
+__all__ = ["AmaxGroup", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
+           "reduce_amaxes", "describe_groups", "describe_role_groups"]
+
+# The roles of a linear whose amaxes may need a reduction, in the order of per-role group tuples
+# (the order of the recipe state and of delayed scaling's amax carriers too).
+ROLES = STATE_ROLES
+
 
 
 @dataclass(frozen=True)
@@ -108,6 +115,11 @@ def minimal_groups(groups) -> tuple[AmaxGroup, ...]:
     return tuple(kept)
 
 
+def merge_role_groups(*per_role) -> tuple[tuple[AmaxGroup, ...], ...]:
+    """Per role (ROLES), the minimal union of the groups each argument (a per-role tuple) names."""
+    return tuple(minimal_groups(g for groups in role for g in groups) for role in zip(*per_role))
+
+
 def _all_reduce_max(t: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
     # NaN -> inf first: MAX implementations may drop a NaN, and a non-finite amax on any rank must
     # read as non-finite on every rank (delayed scaling then keeps the scale everywhere alike).
@@ -140,3 +152,12 @@ def reduce_amaxes(amaxes: Sequence[torch.Tensor], groups: Sequence[Sequence[Amax
 
 def describe_groups(groups: Sequence[AmaxGroup]) -> str:
     return ", ".join(str(g) for g in groups)
+
+
+def describe_role_groups(per_role: Sequence[Sequence[AmaxGroup]]) -> str:
+    """For the report: "amax all-reduce over tp (2 ranks): weight, grad_output", one clause per group."""
+    by_group: dict[AmaxGroup, list[str]] = {}
+    for role, groups in zip(ROLES, per_role):
+        for g in groups:
+            by_group.setdefault(g, []).append(role)
+    return "; ".join(f"amax all-reduce over {g}: {', '.join(roles)}" for g, roles in by_group.items())

@@ -98,7 +98,7 @@ def _data(rank: int, step: int) -> torch.Tensor:
 def _ddp_worker(rank: int) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from utils import AotGraphs, count_calls
+    from utils import AotGraphs
 
     graphs = AotGraphs().install(_Patch())
     options = {"recipe": "DelayedScaling", "amax_history_len": 4, "compiler": "aot_eager"}
@@ -125,8 +125,8 @@ def _ddp_worker(rank: int) -> dict:
             opt.zero_grad()
         out[group] = {"state": _state(model), "all_reduces_run": runs,
                       "sites": [(s.graph, s.fqn, s.rewritten, s.collectives) for s in te_compile.report().sites]}
-    out["forward_all_reduces"] = [count_calls(g, ALL_REDUCE) for g in graphs.forward]
-    out["backward_all_reduces"] = [count_calls(g, ALL_REDUCE) for g in graphs.backward]
+    out["forward_all_reduces"] = [_max_all_reduces(g) for g in graphs.forward]
+    out["backward_all_reduces"] = [_max_all_reduces(g) for g in graphs.backward]
 
     # one process on both ranks' data (mean over the global batch = DDP's averaged gradients)
     torch._dynamo.reset()

@@ -36,11 +36,12 @@ import torch
 from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
 from ..scaling import delayed_scale_from_history, update_amax_history
+from ..state import STATE_ROLES
 
 __all__ = ["DelayedScalingUpdate", "UpdateSpec", "ROLES", "update_role_state"]
 
 # The roles whose amaxes a carrier's gradient holds, in order; each has (amax_history, scale) state.
-ROLES = ("input", "weight", "grad_output")
+ROLES = STATE_ROLES
 TENSORS_PER_WEIGHT = 2 * len(ROLES)
 
 

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
+from ..distributed import ROLES
 from ..tensor.quantized_tensor import Quantizer, prepare_for_saving, restore_from_saved
 from .block_gemm import native_block_gemm, native_pair_supported
 from .fp8_linear import NO_GROUPS
@@ -33,17 +34,15 @@ __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
 COLUMNWISE_ROW_MULTIPLE = 16
 
 
-_ROLE_INDEX = {"input": 0, "weight": 1, "grad_output": 2}
-
-
 def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
               columnwise: bool = False, groups=NO_GROUPS):
     """The asked copies of ``t`` quantized by ``factory(role)``, as a storage object. ``groups`` (per
     role): where the format has a tensor-level amax (NVFP4), it is all-reduced over these."""
     quantizer = factory(role).copy()
     quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    if groups[_ROLE_INDEX[role]] and hasattr(quantizer, "amax_reduction_groups"):
-        quantizer.amax_reduction_groups = groups[_ROLE_INDEX[role]]
+    role_groups = groups[ROLES.index(role)]
+    if role_groups and hasattr(quantizer, "amax_reduction_groups"):
+        quantizer.amax_reduction_groups = role_groups
     quantizer.internal = True
     return quantizer.quantize(t)
 

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import AmaxGroup, mesh_dim_group, minimal_groups
+from ..distributed import AmaxGroup, merge_role_groups, mesh_dim_group, minimal_groups
 
 __all__ = ["LinearSharding", "plan_linear_sharding", "is_dtensor", "local_value", "sharded_linear"]
 
@@ -62,15 +62,6 @@ class LinearSharding:
     x_grad_placements: tuple
     w_grad_placements: tuple
     groups: tuple[tuple[AmaxGroup, ...], ...]   # per role: input, weight, grad_output
-
-    @property
-    def describe(self) -> str:
-        """For the report: which operands' amaxes are all-reduced over which groups."""
-        by_group: dict[AmaxGroup, list[str]] = {}
-        for role, groups in zip(("input", "weight", "grad_output"), self.groups):
-            for g in groups:
-                by_group.setdefault(g, []).append(role)
-        return "; ".join(f"amax all-reduce over {g}: {', '.join(roles)}" for g, roles in by_group.items())
 
 
 def _x_kind(p, x_ndim: int) -> str:
@@ -154,7 +145,7 @@ def sharded_linear(local_fn: Callable, x, w_nk, plan: LinearSharding, extra_grou
         x = x.redistribute(plan.mesh, plan.x_placements)
     if tuple(w_nk.placements) != plan.w_placements:
         w_nk = w_nk.redistribute(plan.mesh, plan.w_placements)
-    groups = tuple(minimal_groups((*a, *b)) for a, b in zip(plan.groups, extra_groups))
+    groups = merge_role_groups(plan.groups, extra_groups)
     y_local = local_fn(x.to_local(grad_placements=plan.x_grad_placements),
                        w_nk.to_local(grad_placements=plan.w_grad_placements), groups)
     shape = torch.Size((*x.shape[:-1], w_nk.shape[0]))

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from ..distributed import describe_groups, minimal_groups
+from ..distributed import describe_groups, describe_role_groups, merge_role_groups, minimal_groups
 from ..lowerings.block_gemm_probe import native_block_gemm_support, recipe_block_format
 from ..lowerings.fp8_linear import NO_GROUPS
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
@@ -42,7 +42,7 @@ def _amax_reductions(ctx: "PassContext", site: LinearSite, recipe) -> tuple[tupl
     plain = NO_GROUPS
     if ctx.amax_group is not None and ctx.config.distributed.sharded(site.fqn):
         plain = ((ctx.amax_group,),) * 3
-    roles = tuple(minimal_groups((*a, *b)) for a, b in zip(plan.groups if plan else NO_GROUPS, plain))
+    roles = merge_role_groups(plan.groups if plan else NO_GROUPS, plain)
     if recipe.delayed():
         wanted = [ctx.amax_group] if recipe.reduce_amax and ctx.amax_group is not None else []
         groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
@@ -54,12 +54,7 @@ def _amax_reductions(ctx: "PassContext", site: LinearSite, recipe) -> tuple[tupl
         return plain, (), "none needed: per-block scales"
     if recipe.custom():
         return plain, (), "none: custom quantizers get no amax reduction"
-    by_group: dict = {}
-    for role, groups in zip(("input", "weight", "grad_output"), roles):
-        for g in groups:
-            by_group.setdefault(g, []).append(role)
-    text = "; ".join(f"amax all-reduce over {g}: {', '.join(r)}" for g, r in by_group.items())
-    return plain, (), text
+    return plain, (), describe_role_groups(roles)
 
 
 def _backward_follows(site: LinearSite) -> bool:

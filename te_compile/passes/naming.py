@@ -21,7 +21,6 @@ import gc
 import weakref
 from typing import Iterable
 
-import torch
 import torch.nn as nn
 
 __all__ = ["full_names", "frame_prefix", "FrameInstances"]

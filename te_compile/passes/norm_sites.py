@@ -110,22 +110,23 @@ def _hand_rms_output(rsqrt: fx.Node, params) -> Optional[fx.Node]:
                   None)
     if normed is None:
         return None
-    out = normed
-    while True:   # casts, then at most one product with the weight, then casts
-        users = list(out.users)
-        if len(users) != 1:
-            return out
-        user = users[0]
-        if _name(user) in _CASTS and user.args and user.args[0] is out:
-            out = user
-        elif _is(user, _MUL, "mul") and any(_has_param(a, params) for a in user.args if a is not out):
-            out = user
-            # only casts may follow the weight product
-            while len(out.users) == 1 and _name(next(iter(out.users))) in _CASTS:
-                out = next(iter(out.users))
-            return out
-        else:
-            return out
+    # casts, at most one product with the weight, casts
+    out = _after_casts(normed)
+    users = list(out.users)
+    if len(users) == 1 and _is(users[0], _MUL, "mul") and any(
+            _has_param(a, params) for a in users[0].args if a is not out):
+        out = _after_casts(users[0])
+    return out
+
+
+def _after_casts(node: fx.Node) -> fx.Node:
+    """The last of the dtype casts that follow ``node`` as its only user, one after another."""
+    while len(node.users) == 1:
+        user = next(iter(node.users))
+        if _name(user) not in _CASTS or not user.args or user.args[0] is not node:
+            break
+        node = user
+    return node
 
 
 def find_norm_sites(scope: GraphScope) -> list[NormSite]:
