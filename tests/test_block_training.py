@@ -57,7 +57,12 @@ def test_40_step_training_within_10_percent_of_fp32(fp32_run, name):
         assert "emulated GEMMs" in sites["blocks.1.mlp.fc"].reason
         assert not sites["lm_head"].rewritten and "override 'lm_head'" in sites["lm_head"].reason
     else:
-        assert all(s.rewritten and s.recipe == name for s in sites.values()), str(te_compile.report())
+        linears = [s for s in sites.values() if s.op == "linear"]
+        assert all(s.rewritten and s.recipe == name for s in linears), str(te_compile.report())
+        # norm fusion covers the per-tensor recipes: these norms stay unfused, saying so
+        norms = [s for s in sites.values() if s.op == "layer_norm"]
+        assert len(norms) == 5 and not any(s.rewritten for s in norms)
+        assert all("norm fusion covers the per-tensor FP8 recipes" in s.reason for s in norms if s.fqn != "ln_f")
 
 
 class _MLP(nn.Module):

@@ -64,7 +64,9 @@ def test_custom_recipe_matches_builtin_current_scaling():
     idx, targets = _pattern_batches(1)[0]
     results = {}
     for name, options in (
-        ("builtin", {"recipe": "Float8CurrentScaling", "compiler": "aot_eager"}),
+        # without norm fusion, which the custom recipe does not have: the two then quantize the same
+        # tensors, and a last-bit difference in a norm's backward cannot flip FP8 gradient bytes
+        ("builtin", {"recipe": "Float8CurrentScaling", "compiler": "aot_eager", "rewrite": {"layer_norm": False}}),
         ("custom", {"recipe": "CustomRecipe", "qfactory": REF_FACTORY, "compiler": "aot_eager"}),
     ):
         te_compile.reset()
@@ -111,10 +113,14 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
     loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     report = te_compile.report()
-    assert {s.fqn for s in report.rewritten} == _linear_names(model), str(report)
-    assert len(report.sites) == len(_linear_names(model)), str(report)
+    assert {s.fqn for s in report.rewritten if s.op == "linear"} == _linear_names(model), str(report)
+    linears = [s for s in report.sites if s.op == "linear"]
+    assert len(linears) == len(_linear_names(model)), str(report)
+    # every norm is fused into the linears reading it (Falcon's and GPT-2's final norms too: HF reads
+    # them through a whole-tensor slice before lm_head)
+    assert all(s.rewritten for s in report.sites if s.op != "linear"), str(report)
     if arch == "llama-checkpointed":
-        assert sum("checkpointed region" in s.reason for s in report.sites) == 14, str(report)
+        assert sum("checkpointed region" in s.reason for s in linears) == 14, str(report)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     gap = abs(loss.item() - eager_loss.item()) / eager_loss.item()
     assert gap < 0.02, f"{arch}: FP8 loss {loss.item():.4f} vs eager {eager_loss.item():.4f}"
@@ -141,5 +147,6 @@ def test_hf_trainer_trains_a_model_compiled_in_place(tmp_path):
     trainer.train()
     losses = [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(losses) == 3 and all(0 < loss < 10 for loss in losses), trainer.state.log_history
-    assert {s.fqn for s in te_compile.report().rewritten} == _linear_names(model), str(te_compile.report())
+    assert {s.fqn for s in te_compile.report().rewritten if s.op == "linear"} == _linear_names(model), \
+        str(te_compile.report())
     assert not torch.equal(model.transformer.h[0].mlp.c_fc.weight, before), "no optimizer step happened"

@@ -23,6 +23,7 @@ from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .naming import FrameInstances
+from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
@@ -47,10 +48,10 @@ class PassContext:
 
 Pass = Callable[[PassContext, GraphScope], int]
 
-# The order matters once fusing passes exist: the norm and activation passes will fuse into the
-# quantization of the linears this pass creates, and attention runs last on what is left.
+# The order matters: the norm pass fuses norms into the linears the linear pass created.
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
+    fuse_norms,
 )
 
 

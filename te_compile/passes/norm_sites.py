@@ -9,8 +9,10 @@ Forms, as they look after Dynamo:
                                                   HF Llama / Mistral / Qwen2 / Gemma / T5, gpt-fast
 
 A site is the node whose value is the norm's output (the last cast, or the weight product), which
-is what the linears after it read. This is the finder the norm→quantize fusion pass builds on; it is
-not wired into the passes or the report yet.
+is what the linears after it read. Each site is also read as a ``NormSpec`` (kernels/norm_quantize.py)
+plus its tensor operands, which is what the fusion pass (norm_fusion.py) lowers; a site that does not
+fit one (a norm over several dims, an eps that is a tensor, low-precision arithmetic) carries the
+reason instead.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
+from ..kernels.norm_quantize import NormSpec
 from .graphs import GraphScope
 from .sites import module_fqn
 
@@ -41,6 +44,11 @@ class NormSite:
     op: str           # "layer_norm" | "rms_norm"
     fqn: str          # the norm module's path
     form: str         # for the report: "layer_norm", "rms_norm", "hand-written RMSNorm"
+    x: Optional[fx.Node] = None         # the norm's input
+    weight: Optional[fx.Node] = None    # the parameter (not 1 + w: spec.zero_centered says so)
+    bias: Optional[fx.Node] = None
+    spec: Optional[NormSpec] = None     # None: not fusable, see why
+    why: Optional[str] = None
 
 
 def _name(node) -> Optional[str]:
@@ -98,8 +106,9 @@ def _has_param(node, params) -> bool:
     return _is(node, _ADD, "add") and any(_strip_casts(a) in params for a in node.args)
 
 
-def _hand_rms_output(rsqrt: fx.Node, params) -> Optional[fx.Node]:
-    """The output node of a hand-written RMSNorm built around ``rsqrt``, or None."""
+def _hand_rms(rsqrt: fx.Node, params) -> Optional[tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]]:
+    """(output, input, the x * rsqrt node, the weight product or None) of a hand-written RMSNorm
+    built around ``rsqrt``, or None."""
     v = _rms_base(rsqrt)
     if v is None:
         return None
@@ -113,10 +122,12 @@ def _hand_rms_output(rsqrt: fx.Node, params) -> Optional[fx.Node]:
     # casts, at most one product with the weight, casts
     out = _after_casts(normed)
     users = list(out.users)
+    product = None
     if len(users) == 1 and _is(users[0], _MUL, "mul") and any(
             _has_param(a, params) for a in users[0].args if a is not out):
-        out = _after_casts(users[0])
-    return out
+        product = users[0]
+        out = _after_casts(product)
+    return out, base, normed, product
 
 
 def _after_casts(node: fx.Node) -> fx.Node:
@@ -129,17 +140,118 @@ def _after_casts(node: fx.Node) -> fx.Node:
     return node
 
 
+def _dtype(node) -> Optional[torch.dtype]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def _casts_between(start: fx.Node, end: fx.Node) -> tuple[torch.dtype, ...]:
+    """The dtypes of the cast nodes after ``start`` up to ``end`` (a chain from _after_casts)."""
+    dtypes, node = [], end
+    while node is not start:
+        dtypes.append(_dtype(node))
+        node = node.args[0]
+    return tuple(reversed(dtypes))
+
+
+def _arg(node: fx.Node, i: int, name: str, default=None):
+    return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
+
+
+def _last_dim_only(shape, x: fx.Node) -> bool:
+    """normalized_shape names the last dim alone."""
+    if isinstance(shape, (int, torch.SymInt)) or isinstance(shape, fx.Node):
+        return True
+    return isinstance(shape, (list, tuple, torch.Size)) and len(shape) == 1
+
+
+def _parse_library(site: NormSite, node: fx.Node) -> None:
+    """F.layer_norm(x, shape, w, b, eps) / F.rms_norm(x, shape, w, eps): computed in fp32, rounded
+    once to the input's dtype."""
+    is_ln = site.op == "layer_norm"
+    site.x = _arg(node, 0, "input")
+    shape = _arg(node, 1, "normalized_shape")
+    site.weight = _arg(node, 2, "weight")
+    site.bias = _arg(node, 3, "bias") if is_ln else None
+    eps = _arg(node, 4 if is_ln else 3, "eps", 1e-5 if is_ln else None)
+    dtype = _dtype(node)
+    if eps is None:   # F.rms_norm's default: the eps of its compute dtype (fp32 for fp32/bf16/fp16)
+        eps = torch.finfo(torch.float32).eps
+    if not _last_dim_only(shape, site.x):
+        site.why = "normalizes over several dims (fusion covers the last dim)"
+    elif not isinstance(eps, (int, float)):
+        site.why = "eps is not a constant"
+    elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        site.why = f"output dtype {dtype}"
+    else:
+        site.spec = NormSpec(site.op, float(eps), prod_dtype=dtype)
+
+
+def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
+                    product: Optional[fx.Node], params) -> None:
+    site.x = x
+    add = rsqrt.args[0]
+    eps = next((a for a in add.args if not isinstance(a, fx.Node)), None)
+    mean = next(a for a in add.args if isinstance(a, fx.Node))
+    dim = _arg(mean, 1, "dim")
+    rank = getattr(mean.args[0].meta.get("example_value"), "ndim", None)
+    if not (dim in (-1, [-1], (-1,)) or (rank is not None and dim in (rank - 1, [rank - 1], (rank - 1,)))) \
+            or not _arg(mean, 2, "keepdim", False):
+        site.why = "the mean is not over the last dim with keepdim"
+        return
+    if not isinstance(eps, (int, float)):
+        site.why = "eps is not a constant"
+        return
+    if _dtype(rsqrt) != torch.float32:
+        site.why = f"computes in {_dtype(rsqrt)} (fusion computes norms in float32)"
+        return
+    pre_end = _after_casts(normed)
+    if product is None:
+        site.spec = NormSpec("rms_norm", float(eps), casts=_casts_between(normed, site.node))
+        return
+    w_expr = next(a for a in product.args if a is not pre_end)
+    inner = _strip_casts(w_expr)
+    zero_centered = inner not in params
+    if zero_centered:   # 1 + w
+        others = [a for a in inner.args if _strip_casts(a) not in params]
+        if len(inner.args) != 2 or len(others) != 1 or others[0] != 1:
+            site.why = "the weight term is neither w nor 1 + w"
+            return
+        inner = next(_strip_casts(a) for a in inner.args if _strip_casts(a) in params)
+    if any(_dtype(n) not in (torch.float32, _dtype(inner)) for n in _chain(w_expr, inner)):
+        site.why = "the weight is cast to a lower precision before the product"
+        return
+    site.weight = inner
+    pre = _dtype(pre_end)
+    site.spec = NormSpec("rms_norm", float(eps), zero_centered=zero_centered,
+                         pre_dtype=None if pre == torch.float32 else pre, prod_dtype=_dtype(product),
+                         casts=_casts_between(product, site.node))
+
+
+def _chain(node, stop) -> list[fx.Node]:
+    """The nodes from ``node`` back to ``stop`` through first arguments (casts, 1 + w)."""
+    out = []
+    while isinstance(node, fx.Node) and node is not stop and node.args:
+        out.append(node)
+        node = node.args[0] if isinstance(node.args[0], fx.Node) else node.args[-1]
+    return out
+
+
 def find_norm_sites(scope: GraphScope) -> list[NormSite]:
     sites = []
     for node in scope.graph.nodes:
         if node.op not in ("call_function", "call_method"):
             continue
-        if node.op == "call_function" and node.target in _LAYER_NORM:
-            sites.append(NormSite(node, "layer_norm", scope.fqn(module_fqn(node)), "layer_norm"))
-        elif node.op == "call_function" and node.target in _RMS_NORM:
-            sites.append(NormSite(node, "rms_norm", scope.fqn(module_fqn(node)), "rms_norm"))
+        if node.op == "call_function" and node.target in _LAYER_NORM + _RMS_NORM:
+            op = "layer_norm" if node.target in _LAYER_NORM else "rms_norm"
+            site = NormSite(node, op, scope.fqn(module_fqn(node)), op)
+            _parse_library(site, node)
+            sites.append(site)
         elif _name(node) == "rsqrt":
-            out = _hand_rms_output(node, scope.params)
-            if out is not None:
-                sites.append(NormSite(out, "rms_norm", scope.fqn(module_fqn(node)), "hand-written RMSNorm"))
+            found = _hand_rms(node, scope.params)
+            if found is not None:
+                out, x, normed, product = found
+                site = NormSite(out, "rms_norm", scope.fqn(module_fqn(node)), "hand-written RMSNorm")
+                _parse_hand_rms(site, node, x, normed, product, scope.params)
+                sites.append(site)
     return sites

@@ -1,0 +1,260 @@
+"""Norm fusion: every LayerNorm / RMSNorm form feeding FP8 linears becomes one fused operation whose
+FP8 operand equals te's unfused path, with report rows, fallbacks with reasons, and parity on
+Hugging Face models (their own code) and on a GPT under inductor."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+
+import te_compile
+from models import TinyGPT
+from te_compile.kernels.norm_quantize import norm_forward_reference
+from te_compile.passes.graphs import graph_scopes
+from te_compile.passes.norm_sites import find_norm_sites
+from te_compile.scaling import cast_to_fp8
+from test_norm_sites import NORMS, D, _hf_models
+
+
+class Readers(nn.Module):
+    """A norm read by three linears: directly, through a view, through dropout(p=0)."""
+
+    def __init__(self, make_norm) -> None:
+        super().__init__()
+        self.norm = make_norm()
+        self.q, self.k, self.v = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, 2 * D, bias=False)
+
+    def forward(self, x):
+        h = self.norm(x)
+        k = self.k(h.reshape(-1, D)).view(*x.shape[:-1], D)
+        v = self.v(nn.functional.dropout(h, 0.0, self.training))
+        return self.q(h) + k + v[..., :D] * v[..., D:]
+
+
+def _norm_of(name: str) -> nn.Module:
+    torch.manual_seed(0)
+    norm = NORMS[name][0]()
+    with torch.no_grad():   # away from the identity, so weight and bias matter
+        for p in norm.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    return norm
+
+
+def _compile(model, **options):
+    torch._dynamo.reset()
+    te_compile.reset()
+    return torch.compile(model, backend=te_compile.backend(**options))
+
+
+def _step(model, x):
+    x = x.detach().clone().requires_grad_()
+    y = model(x)
+    y.float().square().mean().backward()
+    return y.detach(), x.grad, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _fraction_equal(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.view(torch.uint8) == b.view(torch.uint8)).float().mean().item()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("name", list(NORMS))
+def test_parsed_norm_reproduces_the_module_fp8_bytes(name, dtype):
+    """What the pass reads from Dynamo's graph (NormSpec + operands) computes the module's output:
+    the FP8 bytes of te's unfused path, >= 99.99% identical, the rest one FP8 step apart."""
+    norm = _norm_of(name).to(dtype)
+    x = (torch.randn(4, 512, D) * 2 + 0.5).to(dtype)
+    sites = []
+
+    def capture(gm, example_inputs):
+        for scope in graph_scopes(gm, example_inputs):
+            sites.extend((scope, s) for s in find_norm_sites(scope))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(norm, backend=capture)(x)
+    [(scope, site)] = sites
+    assert site.spec is not None, site.why
+    params = dict(norm.named_parameters())
+    operand = {n: params[scope.params[n].name] if n in scope.params else None for n in (site.weight, site.bias)}
+    h, _, _ = norm_forward_reference(x.reshape(-1, D), operand[site.weight], operand[site.bias], site.spec)
+    with torch.no_grad():
+        expected = norm(x).reshape(-1, D)
+    assert h.dtype == expected.dtype
+    scale = 448.0 / expected.float().abs().amax().reshape(1)
+    ours, theirs = cast_to_fp8(h, scale, torch.float8_e4m3fn), cast_to_fp8(expected, scale, torch.float8_e4m3fn)
+    assert _fraction_equal(ours, theirs) >= 0.9999
+    steps = (ours.view(torch.uint8).int() - theirs.view(torch.uint8).int()).abs()
+    assert steps.max() <= 1
+
+
+# every form under current scaling; delayed scaling (the first reader's input scale) on two of them
+@pytest.mark.parametrize("name, recipe", [(n, "Float8CurrentScaling") for n in NORMS]
+                         + [("ln", "DelayedScaling"), ("llama", "DelayedScaling")])
+def test_each_norm_form_fuses_with_its_readers(name, recipe):
+    """aot_eager: one fused site per norm, in the report; outputs and gradients as the unfused te path."""
+    base = Readers(lambda: _norm_of(name))
+    x = torch.randn(2, 8, D) * 2
+    fused = _compile(copy.deepcopy(base), recipe=recipe, compiler="aot_eager")
+    out = _step(fused, x)
+    rows = te_compile.report().sites
+    [row] = [r for r in rows if r.op != "linear"]
+    assert (row.fqn, row.rewritten, row.recipe) == ("norm", True, recipe)
+    assert row.reason == "fused into k, v, q"   # graph order: forward() computes k first
+    assert sum(r.rewritten for r in rows if r.op == "linear") == 3
+    plain = _compile(copy.deepcopy(base), recipe=recipe, compiler="aot_eager",
+                     rewrite={"layer_norm": False, "rms_norm": False})
+    ref = _step(plain, x)
+    [off] = [r for r in te_compile.report().sites if r.op != "linear"]
+    assert not off.rewritten and off.reason == f"[rewrite] {row.op} = false"
+    torch.testing.assert_close(out[0], ref[0], rtol=0.07, atol=0.07)   # an FP8 step where a byte differs
+    assert (out[0] == ref[0]).float().mean() > 0.99
+    torch.testing.assert_close(out[1], ref[1], rtol=0.05, atol=2e-3)
+    for n, g in ref[2].items():
+        torch.testing.assert_close(out[2][n], g, rtol=0.05, atol=2e-3, msg=n)
+
+
+@pytest.fixture(scope="module")
+def gpt_runs():
+    """TinyGPT under inductor, fused and unfused, CS and DS, two steps each (DS: the second step uses
+    the first step's amaxes)."""
+    torch.manual_seed(0)
+    base = TinyGPT()
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
+               for _ in range(2)]
+    runs = {}
+    for recipe in ("Float8CurrentScaling", "DelayedScaling"):
+        for fused in (True, False):
+            model = copy.deepcopy(base)
+            compiled = _compile(model, recipe=recipe, rewrite={"layer_norm": fused})
+            losses, grads = [], []
+            for idx, targets in batches:
+                model.zero_grad(set_to_none=True)
+                loss = compiled(idx, targets)
+                loss.backward()
+                losses.append(loss.detach())
+                grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            runs[recipe, fused] = (losses, grads, te_compile.report(), te_compile.recipe_state_dict(model))
+    return runs
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_gpt_under_inductor_matches_the_unfused_path(gpt_runs, recipe):
+    losses, grads, report, state = gpt_runs[recipe, True]
+    ref_losses, ref_grads, ref_report, ref_state = gpt_runs[recipe, False]
+    norms = [s for s in report.sites if s.op == "layer_norm"]
+    assert [(s.fqn, s.reason) for s in norms] == [
+        ("blocks.0.ln1", "fused into blocks.0.attn.qkv"), ("blocks.0.ln2", "fused into blocks.0.mlp.fc"),
+        ("blocks.1.ln1", "fused into blocks.1.attn.qkv"), ("blocks.1.ln2", "fused into blocks.1.mlp.fc"),
+        ("ln_f", "fused into lm_head")]
+    assert all(s.rewritten and s.recipe == recipe for s in norms)
+    assert [s for s in ref_report.sites if s.op == "layer_norm" and s.rewritten] == []
+    # same forward bytes: the losses are equal to fp32 rounding of the loss itself
+    for a, b in zip(losses, ref_losses):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    for step, (g, ref) in enumerate(zip(grads, ref_grads)):
+        for n in ref:
+            torch.testing.assert_close(g[n], ref[n], rtol=0.05, atol=5e-4, msg=f"step {step}: {n}")
+    # delayed scaling: the same state keys and values as unfused (per linear; the fused norm's readers
+    # record the shared operand's amax)
+    assert state.keys() == ref_state.keys()
+    for k in ref_state:
+        torch.testing.assert_close(state[k], ref_state[k], rtol=1e-5, atol=0, msg=k)
+
+
+class Mixed(nn.Module):
+    """A norm read by FP8 linears, a high-precision linear (override), another recipe, and a residual."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.a, self.b = nn.Linear(D, D), nn.Linear(D, D)
+        self.hp, self.mx = nn.Linear(D, D), nn.Linear(D, D)
+
+    def forward(self, x):
+        h = self.ln(x)
+        return self.a(h) + self.hp(h) + self.mx(h) + self.b(h) + h
+
+
+def test_mixed_readers_fuse_what_can_be_fused():
+    torch.manual_seed(0)
+    base = Mixed()
+    x = torch.randn(2, 8, D)
+    options = dict(recipe="Float8CurrentScaling", compiler="aot_eager",
+                   overrides=[{"modules": "hp", "recipe": "none"}, {"modules": "mx", "recipe": "MXFP8BlockScaling"}])
+    out = _step(_compile(copy.deepcopy(base), **options), x)
+    [row] = [r for r in te_compile.report().sites if r.op == "layer_norm"]
+    assert row.rewritten
+    assert row.reason == ("fused into a, b; unfused readers: mx (recipe MXFP8BlockScaling (norm fusion covers "
+                          "the per-tensor FP8 recipes)); the high-precision output is kept for other readers")
+    ref = _step(_compile(copy.deepcopy(base), **options, rewrite={"layer_norm": False}), x)
+    torch.testing.assert_close(out[0], ref[0], rtol=0.07, atol=0.07)
+    for n, g in ref[2].items():
+        torch.testing.assert_close(out[2][n], g, rtol=0.05, atol=2e-3, msg=n)
+
+
+def test_norm_without_fp8_readers_is_reported_unfused():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), nn.RMSNorm(D))
+    _compile(model, recipe="Float8CurrentScaling", compiler="aot_eager",
+             overrides=[{"modules": "1", "recipe": "none"}])(torch.randn(4, D))
+    rows = [(r.fqn, r.op, r.rewritten, r.reason) for r in te_compile.report().sites if r.op != "linear"]
+    assert rows == [("0", "layer_norm", False, "no FP8 linear reads its output (read by linear)"),
+                    ("2", "rms_norm", False, "no FP8 linear reads its output (read by output)")]
+
+
+def test_autocast_runs_the_norm_unfused_with_the_same_numbers():
+    torch.manual_seed(0)
+    base = Readers(lambda: _norm_of("llama"))
+    x = torch.randn(2, 8, D)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager"), x)
+        ref = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager",
+                             rewrite={"rms_norm": False}), x)
+    assert out[0].dtype == ref[0].dtype == torch.bfloat16
+    torch.testing.assert_close(out[0], ref[0], rtol=0.07, atol=0.07)
+    for n, g in ref[2].items():
+        torch.testing.assert_close(out[2][n], g, rtol=0.05, atol=5e-3, msg=n)
+
+
+def test_norm_in_a_checkpointed_block_fuses_in_the_region():
+    torch.manual_seed(0)
+    inner = Readers(lambda: nn.LayerNorm(D))
+    model = nn.Module()
+    model.inner = inner
+    model.forward = lambda x: checkpoint(inner, x, use_reentrant=False)
+    x = torch.randn(2, 8, D)
+    out = _step(_compile(model, recipe="Float8CurrentScaling", compiler="aot_eager"), x)
+    [row] = [r for r in te_compile.report().sites if r.op == "layer_norm"]
+    assert row.rewritten and row.reason == "fused into inner.k, inner.v, inner.q; in a checkpointed region"
+    ref = _step(_compile(copy.deepcopy(inner), recipe="Float8CurrentScaling", compiler="aot_eager"), x)
+    torch.testing.assert_close(out[0], ref[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma", "t5", "gpt2"])
+def test_hugging_face_norms_fuse_with_loss_parity(name):
+    cls, config = _hf_models()[name]
+    torch.manual_seed(0)
+    base = cls(config).eval()   # no dropout: the two runs see the same values
+    ids = torch.randint(0, 128, (2, 16))
+    losses = {}
+    for fused in (True, False):
+        model = copy.deepcopy(base)
+        compiled = _compile(model, recipe="Float8CurrentScaling", compiler="aot_eager",
+                            rewrite={"layer_norm": fused, "rms_norm": fused})
+        out = compiled(input_ids=ids, labels=ids) if name != "t5" else compiled(input_ids=ids)
+        loss = out.loss if name != "t5" else out.last_hidden_state.float().square().mean()
+        loss.backward()
+        losses[fused] = loss.item()
+        if fused:
+            norms = {s.fqn: s for s in te_compile.report().sites if s.op != "linear"}
+            # T5's encoder ends in its final norm: no linear reads it
+            unread = {"encoder.final_layer_norm"} if name == "t5" else set()
+            assert len(norms) == 3 and {n for n, s in norms.items() if not s.rewritten} == unread, \
+                [(s.fqn, s.reason) for s in norms.values()]
+    assert abs(losses[True] - losses[False]) <= 2e-3 * abs(losses[False])
