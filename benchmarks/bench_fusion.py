@@ -30,6 +30,8 @@ from te_compile.cli import _saved_for_backward_bytes as saved_bytes   # the demo
 from te_compile.models import GPT
 
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
+# the same recipes with norm fusion off, to show what it changes (MXFP8 norms are not fused anyway)
+UNFUSED = {"layer_norm": False, "rms_norm": False}
 
 
 def _model(t: int, c: int, layers: int, device: torch.device) -> GPT:
@@ -109,7 +111,7 @@ class _GeneratedCode:
         return sum(len(_LAUNCH.findall(src)) for src in self.sources)
 
 
-def _measure(provider: str, model, x, y) -> dict:
+def _measure(provider: str, model, x, y, rewrite=None) -> dict:
     from torch._inductor import metrics
 
     torch._dynamo.reset()
@@ -118,9 +120,10 @@ def _measure(provider: str, model, x, y) -> dict:
         if provider == "inductor":
             compiled = torch.compile(model, backend=forwards.compile_fx)
         else:
-            compiled = torch.compile(model, backend=te_compile.backend(recipe=provider))
+            compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, rewrite=rewrite or {}))
         saved = saved_bytes(compiled, x, y)
-    return {"provider": provider if provider == "inductor" else f"te {provider}",
+    name = provider if provider == "inductor" else f"te {provider}{', norms unfused' if rewrite else ''}"
+    return {"provider": name,
             "kernels": metrics.generated_kernel_count, "launches": code.launches(),
             "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
 
@@ -140,8 +143,9 @@ def main() -> None:
     x = torch.randint(0, 256, (b, t), generator=gen).to(device)
     y = torch.randint(0, 256, (b, t), generator=gen).to(device)
     rows = []
-    for provider in ("inductor", *RECIPES):
-        row = _measure(provider, _model(t, c, args.layers, device), x, y)
+    runs = [("inductor", None)] + [(r, None) for r in RECIPES] + [(r, UNFUSED) for r in RECIPES[:2]]
+    for provider, rewrite in runs:
+        row = _measure(provider, _model(t, c, args.layers, device), x, y, rewrite)
         rows.append(row)
         print(f"{row['provider']}: done", flush=True)
     base = rows[0]

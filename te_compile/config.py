@@ -83,8 +83,9 @@ class RewriteConfig:
     """Which site kinds the backend rewrites; a disabled kind stays in high precision."""
 
     linear: bool = True
-    layer_norm: bool = True  # fused into the following linear's input quantization when possible
+    layer_norm: bool = True  # fused into the following linears' input quantization when possible
     rms_norm: bool = True
+    activation: bool = True  # GELU / ReLU / ReLU² / SwiGLU fused into the following linear's quantization
     # off by default: FP8 attention costs accuracy that most models do not want to trade for speed
     sdpa: bool = False
 

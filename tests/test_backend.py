@@ -80,11 +80,13 @@ def test_te_rewrites_every_linear(ladder):
     expected.add("lm_head")
     assert len(expected) == 2 * LINEARS_PER_BLOCK + 1
     assert {s.fqn for s in report.rewritten if s.op == "linear"} == expected
-    assert all(s.recipe == "Float8CurrentScaling" and s.op in ("linear", "layer_norm") for s in report.sites)
+    assert all(s.recipe == "Float8CurrentScaling" and s.op in ("linear", "layer_norm", "gelu") for s in report.sites)
     # and every LayerNorm fused into the linear reading it (ln1 -> qkv, ln2 -> fc, ln_f -> lm_head)
     assert {s.fqn for s in report.rewritten if s.op == "layer_norm"} == {
         "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}
-    assert "14 of 14 sites rewritten" in str(report)
+    # and each block's GELU into mlp.proj
+    assert {s.fqn for s in report.rewritten if s.op == "gelu"} == {"blocks.0.mlp", "blocks.1.mlp"}
+    assert "16 of 16 sites rewritten" in str(report)
 
 
 def test_te_matches_eager_fp8_emulation(ladder):

@@ -88,7 +88,7 @@ def test_report_module_from_cwd_with_example_input(tmp_path, monkeypatch, capsys
     sites = {s.fqn: s for s in te_compile.report().sites}
     assert sites["0"].rewritten
     assert not sites["2"].rewritten and "divisible by 16" in sites["2"].reason
-    assert "1 of 2 sites rewritten" in out
+    assert "rewritten 1 of 2 linear sites" in out
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -131,7 +131,7 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     for text in ("te Float8CurrentScaling", "high precision (aot_eager)", "step    3/3",
                  "final loss (mean of last 3 steps)", "final-loss gap (te vs high precision)",
-                 "tokens/s (steps 2.., compile excluded)", "8 of 8 sites rewritten"):
+                 "tokens/s (steps 2.., compile excluded)", "9 of 9 sites rewritten"):
         assert text in out, f"{text!r} missing from:\n{out}"
     # saved-for-backward MiB of the te and high-precision runs: FP8 copies are smaller
     row = next(line for line in out.splitlines() if line.startswith("saved for backward"))

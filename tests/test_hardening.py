@@ -55,7 +55,7 @@ def test_output_and_grad_dtypes_equal_eager_under_autocast_and_low_precision_par
     eager = _run(model, x, autocast_dtype)
     compiled = torch.compile(copy.deepcopy(model), backend="te", options={"compiler": "aot_eager"})
     te = _run(compiled, x, autocast_dtype)
-    assert len(te_compile.report().rewritten) == 2
+    assert len([s for s in te_compile.report().rewritten if s.op == "linear"]) == 2
     y_ref, y = eager[0], te[0]
     assert y.dtype == y_ref.dtype, f"output {y.dtype}, eager {y_ref.dtype}"
     for name, ref, got in zip(["x", *[n for n, _ in model.named_parameters()]], [eager[1], *eager[2]],
@@ -169,7 +169,8 @@ def test_linears_either_side_of_a_graph_break():
     x = torch.randn(4, K)
     y = torch.compile(model, backend="te", options={"compiler": "aot_eager"})(x)
     report = te_compile.report()
-    assert [(s.fqn, s.graph, s.rewritten) for s in report.sites] == [("fc", 0, True), ("proj", 1, True)]
+    assert [(s.fqn, s.graph, s.rewritten) for s in report.sites if s.op == "linear"] == [("fc", 0, True),
+                                                                                         ("proj", 1, True)]
     with Fp8Reference():
         assert_sqnr_at_least(model(x), y, 60.0, "across a graph break")
 

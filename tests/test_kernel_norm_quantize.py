@@ -170,7 +170,7 @@ def test_spec_round_trips_through_its_op_string_and_rejects_bad_values():
         norm_stats_reference(torch.randn(2, 8), torch.ones(4), None, NormSpec("rms_norm", 1e-5))
 
 
-@pytest.mark.filterwarnings("ignore:var_mean\\(\\): degrees of freedom")
+@pytest.mark.filterwarnings("ignore:var_mean")
 def test_empty_rows():
     spec, x, w, b = _operands("ln", (0, 32), torch.float32, seed(7))
     mean, rstd, amax = norm_stats_reference(x, w, b, spec)

@@ -23,6 +23,7 @@ from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .naming import FrameInstances
+from .activation_fusion import fuse_activations
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -48,10 +49,11 @@ class PassContext:
 
 Pass = Callable[[PassContext, GraphScope], int]
 
-# The order matters: the norm pass fuses norms into the linears the linear pass created.
+# The order matters: the norm and activation passes fuse into the linears the linear pass created.
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     fuse_norms,
+    fuse_activations,
 )
 
 

@@ -1,0 +1,153 @@
+"""An activation and the FP8 linear reading its output, as one operation (the second half of TE's
+LayerNormMLP): ``ActivationLinearLowering(spec)(h, u, shape, weight, bias, *delayed) -> y``.
+
+    gelu:   a = F.gelu(h)            (erf, or approximate="tanh")
+    relu:   a = F.relu(h)
+    relu2:  a = F.relu(h) ** 2
+    swiglu: a = F.silu(h) * u        (Llama's gate: h = gate_proj(x), u = up_proj(x))
+
+Forward computes a, its amax and its FP8 bytes and runs the GEMM: the same ops, hence the same bytes,
+as te's unfused path. What is saved differs: the activation's input (which its backward needs
+anyway) and the FP8 scale, not the FP8 copy of a: backward recomputes a's bytes for the wgrad GEMM
+from the saved input (one elementwise pass) instead of keeping [M, K] bytes alive from forward to
+backward. Per-tensor recipes (current and delayed scaling); GEMMs and scale handling are
+fp8_linear.py's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..recipe import Recipe
+from ..scaling import cast_to_fp8, compute_scale, tensor_amax
+from .fp8_linear import _quantize_per_tensor
+from .gemm import fp8_gemm
+from .linear import LinearLowering, _autocast_dtype
+
+__all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction", "activation"]
+
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu")
+
+
+def activation(kind: str, h: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
+    """The activation's output, by the ops the model's code calls (so the bytes match)."""
+    if kind == "gelu":
+        return F.gelu(h)
+    if kind == "gelu_tanh":
+        return F.gelu(h, approximate="tanh")
+    if kind == "relu":
+        return F.relu(h)
+    if kind == "relu2":
+        return F.relu(h).square()
+    if kind == "swiglu":
+        return F.silu(h) * u
+    raise ValueError(f"activation kind must be one of {ACTIVATIONS}, got {kind!r}")
+
+
+def _activation_backward(kind: str, da: torch.Tensor, h: torch.Tensor, u: Optional[torch.Tensor]):
+    """(dh, du) for the gradient ``da`` of the activation's output (autograd's own formulas)."""
+    if kind in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(da, h, approximate="tanh" if kind == "gelu_tanh" else "none"), None
+    if kind == "relu":
+        return torch.where(h > 0, da, torch.zeros_like(da)), None
+    if kind == "relu2":
+        return da * 2 * F.relu(h), None
+    s = F.silu(h)
+    return torch.ops.aten.silu_backward(da * u, h), da * s
+
+
+@dataclass(frozen=True)
+class ActivationLinearSpec:
+    fqn: str                                 # the module applying the activation
+    kind: str                                # one of ACTIVATIONS
+    linear: str                              # the linear's module path
+    recipe: Recipe                           # DelayedScaling or Float8CurrentScaling
+    weight_in_out: bool = False
+    casts: tuple[torch.dtype, ...] = ()      # dtype casts between the activation and the linear
+
+
+class ActFp8LinearFunction(torch.autograd.Function):
+    """h [M, K] (u [M, K] for swiglu) -> y [M, N] = quantize(act(h, u)) @ quantize(w_nk).T.
+
+    carrier, x_scale, w_scale, g_scale: DelayedScaling's (see fp8_linear.Fp8LinearFunction), None
+    under current scaling."""
+
+    @staticmethod
+    def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale):
+        recipe = spec.recipe
+        a = _cast(activation(spec.kind, h, u), spec.casts)
+        x_amax = tensor_amax(a)
+        if x_scale is None:
+            x_scale = compute_scale(x_amax, recipe.fp8_format.dtype_for("input"),
+                                    force_pow_2_scales=recipe.use_power_2_scales, amax_epsilon=recipe.amax_epsilon)
+        xq, x_sinv, x_amax = _quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
+        wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale)
+        wq = wq.contiguous()
+        y = fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=a.dtype)
+        ctx.spec = spec
+        ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
+        ctx.has_g_scale = g_scale is not None
+        ctx.save_for_backward(h, u, x_scale, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]),
+                              *((g_scale,) if g_scale is not None else ()))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        spec = ctx.spec
+        h, u, x_scale, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
+        h_dtype, a_dtype, w_dtype = ctx.dtypes
+        gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", spec.recipe, g_scale[0] if g_scale else None)
+        gq = gq.contiguous()
+        dh = du = dw = carrier_grad = None
+        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
+            da = fp8_gemm(gq, wq.t().contiguous().t(), g_sinv, w_sinv, out_dtype=a_dtype)
+            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u)
+        if ctx.needs_input_grad[3]:
+            # the forward's FP8 operand, recomputed from the saved activation input and scale
+            a = _cast(activation(spec.kind, h, u), spec.casts)
+            xq = cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input"))
+            dw = fp8_gemm(gq.t().contiguous(), xq.t().contiguous().t(), g_sinv, x_sinv, out_dtype=w_dtype)
+        if ctx.needs_input_grad[4]:
+            carrier_grad = torch.cat([xw_amax, g_amax])
+        return None, dh, du, dw, carrier_grad, None, None, None
+
+
+def _cast(a: torch.Tensor, casts) -> torch.Tensor:
+    for dtype in casts:
+        a = a.to(dtype)
+    return a
+
+
+class ActivationLinearLowering:
+    """Callable inserted into the FX graph for a fused activation site.
+
+    ``(h, u, shape, weight, bias, *delayed) -> y``: h [..., K] the activation's input (u: swiglu's
+    up projection, else None); shape: a tensor with the linear's input shape (a view of h), y is
+    ``shape[:-1] + [N]``; weight [N, K] ([K, N] when ``spec.weight_in_out``); bias or None; delayed:
+    DelayedScaling's carrier and scales, or nothing. Under autocast it runs unfused.
+    """
+
+    def __init__(self, spec: ActivationLinearSpec, linear: LinearLowering) -> None:
+        self.spec = spec
+        self._linear = linear
+        self.__name__ = f"te_{spec.kind}_linear_{spec.recipe.name}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, h, u, shape, weight, bias, *delayed):
+        if _autocast_dtype(h) is not None:
+            a = _cast(activation(self.spec.kind, h, u), self.spec.casts)
+            return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
+        w_nk = weight.t() if self.spec.weight_in_out else weight
+        k = h.shape[-1]
+        y = ActFp8LinearFunction.apply(self.spec, h.reshape(-1, k), None if u is None else u.reshape(-1, k), w_nk,
+                                       *(delayed or (None,) * 4))
+        y = y.reshape(*shape.shape[:-1], y.shape[-1])
+        return y if bias is None else y + bias
+
+    def __repr__(self) -> str:
+        return f"ActivationLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

@@ -1,0 +1,120 @@
+"""Activation fusion: GELU (erf, tanh), ReLU, squared ReLU and SwiGLU feeding an FP8 linear become
+one operation computing the same bytes as the unfused te path (outputs and gradients bit for bit),
+with report rows and reasons where they stay unfused."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import te_compile
+from utils import assert_bitwise_equal
+
+D, H = 32, 64
+ACTS = {
+    "gelu": lambda h, g: F.gelu(h),
+    "gelu_tanh": lambda h, g: F.gelu(h, approximate="tanh"),
+    "relu": lambda h, g: torch.relu(h),
+    "relu2": lambda h, g: F.relu(h) ** 2,
+    "swiglu": lambda h, g: F.silu(g) * h,
+}
+OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "swiglu": "swiglu"}
+
+
+class MLP(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.kind = kind
+        self.up, self.gate, self.down = nn.Linear(D, H), nn.Linear(D, H, bias=False), nn.Linear(H, D)
+
+    def forward(self, x):
+        gate = self.gate(x) if self.kind == "swiglu" else None
+        return self.down(ACTS[self.kind](self.up(x), gate))
+
+
+def _run(model, x, **options):
+    torch._dynamo.reset()
+    te_compile.reset()
+    compiled = torch.compile(model, backend=te_compile.backend(**options))
+    x = x.detach().clone().requires_grad_()
+    y = compiled(x)
+    y.square().mean().backward()
+    rows = [s for s in te_compile.report().sites if s.op != "linear"]
+    return y.detach(), x.grad, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}, rows
+
+
+def _assert_same(a, b):
+    assert_bitwise_equal(a[0], b[0], "y")
+    assert_bitwise_equal(a[1], b[1], "dx")
+    assert a[2].keys() == b[2].keys()
+    for n in a[2]:
+        assert_bitwise_equal(a[2][n], b[2][n], n)
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+@pytest.mark.parametrize("kind", list(ACTS))
+def test_fused_activation_is_bit_exact_with_the_unfused_path(kind, recipe):
+    torch.manual_seed(0)
+    base = MLP(kind)
+    x = torch.randn(2, 8, D)
+    fused = _run(copy.deepcopy(base), x, recipe=recipe, compiler="aot_eager")
+    [row] = fused[3]
+    assert (row.fqn, row.op, row.rewritten, row.recipe) == ("", OPS[kind], True, recipe)
+    assert row.reason == "fused into down" + (" (tanh GELU)" if kind == "gelu_tanh" else "")
+    plain = _run(copy.deepcopy(base), x, recipe=recipe, compiler="aot_eager", rewrite={"activation": False})
+    [off] = plain[3]
+    assert not off.rewritten and off.reason == "[rewrite] activation = false"
+    _assert_same(fused, plain)
+
+
+def test_fused_swiglu_under_inductor_is_bit_exact():
+    torch.manual_seed(0)
+    base = MLP("swiglu")
+    x = torch.randn(4, 16, D)
+    _assert_same(_run(copy.deepcopy(base), x, recipe="Float8CurrentScaling"),
+                 _run(copy.deepcopy(base), x, recipe="Float8CurrentScaling", rewrite={"activation": False}))
+
+
+def test_activation_with_other_readers_or_another_recipe_stays_unfused():
+    class Two(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down, self.up2, self.down2 = nn.Linear(D, H), nn.Linear(H, D), nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x):
+            a = F.gelu(self.up(x))
+            b = F.relu(self.up2(x))
+            return self.down(a) + a[..., :D] + self.down2(b)
+
+    torch.manual_seed(0)
+    rows = _run(Two(), torch.randn(2, D), recipe="Float8CurrentScaling", compiler="aot_eager",
+                overrides=[{"modules": "down2", "recipe": "MXFP8BlockScaling"}])[3]
+    assert [(r.op, r.rewritten, r.reason) for r in rows] == [
+        ("gelu", False, "down: its output has other readers"),
+        ("relu", False, "down2: recipe MXFP8BlockScaling (activation fusion covers the per-tensor FP8 recipes)")]
+
+
+def test_hugging_face_llama_swiglu_fuses_with_loss_parity():
+    transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    torch.manual_seed(0)
+    base = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    losses = {}
+    for fused in (True, False):
+        model = copy.deepcopy(base)
+        torch._dynamo.reset()
+        te_compile.reset()
+        compiled = torch.compile(model, backend=te_compile.backend(compiler="aot_eager", rewrite={"activation": fused}))
+        loss = compiled(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses[fused] = loss.detach()
+        if fused:
+            [row] = [s for s in te_compile.report().sites if s.op == "swiglu"]
+            assert row.rewritten and row.reason == "fused into model.layers.0.mlp.down_proj"
+    assert_bitwise_equal(losses[True], losses[False])
