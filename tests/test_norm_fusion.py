@@ -258,3 +258,40 @@ def test_hugging_face_norms_fuse_with_loss_parity(name):
             assert len(norms) == 3 and {n for n, s in norms.items() if not s.rewritten} == unread, \
                 [(s.fqn, s.reason) for s in norms.values()]
     assert abs(losses[True] - losses[False]) <= 2e-3 * abs(losses[False])
+
+
+def test_a_reader_whose_weight_is_computed_after_the_first_reader_stays_unfused():
+    """The fused call must run before its first linear; a later reader's operand computed after that
+    point keeps that reader on the high-precision output (returned by the fused call)."""
+    class Late(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln, self.q, self.k = nn.LayerNorm(D), nn.Linear(D, D), nn.Linear(D, D)
+
+        def forward(self, x):
+            h = self.ln(x)
+            a = self.q(h)
+            return a + nn.functional.linear(h, self.k.weight * 1.0, self.k.bias)   # root's linear
+
+    torch.manual_seed(0)
+    base = Late()
+    x = torch.randn(4, D)
+    out = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager"), x)
+    [row] = [r for r in te_compile.report().sites if r.op == "layer_norm"]
+    assert row.rewritten and row.reason == ("fused into q; unfused readers: <root> (its operands are computed "
+                                            "after the first fused linear runs); the high-precision output is "
+                                            "kept for other readers")
+    ref = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager",
+                         rewrite={"layer_norm": False}), x)
+    torch.testing.assert_close(out[0], ref[0], rtol=0.07, atol=0.07)
+    for n, g in ref[2].items():
+        torch.testing.assert_close(out[2][n], g, rtol=0.05, atol=2e-3, msg=n)
+
+
+def test_float64_norms_are_reported_unfused_with_the_reason():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LayerNorm(D), nn.Linear(D, D), NORMS["llama"][0](), nn.Linear(D, D)).double()
+    _compile(model, recipe="Float8CurrentScaling", compiler="aot_eager")(torch.randn(4, D, dtype=torch.float64))
+    rows = [(r.op, r.rewritten, r.reason) for r in te_compile.report().sites if r.op != "linear"]
+    assert rows[0] == ("layer_norm", False, "output dtype torch.float64 (left unfused)")
+    assert rows[1][:2] == ("rms_norm", False) and rows[1][2].startswith("NormSpec dtypes must be among")

@@ -57,8 +57,9 @@ class NormSpec:
     def __post_init__(self):
         if self.kind not in _KINDS:
             raise ValueError(f"NormSpec.kind must be one of {_KINDS}, got {self.kind!r}")
-        for d in (self.pre_dtype, self.prod_dtype, *self.casts):
-            if d is not None and d not in _ROUNDED:
+        optional = () if self.pre_dtype is None else (self.pre_dtype,)
+        for d in (*optional, self.prod_dtype, *self.casts):
+            if d not in _ROUNDED:
                 raise ValueError(f"NormSpec dtypes must be among {_ROUNDED}, got {d}")
 
     @property

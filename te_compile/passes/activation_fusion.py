@@ -22,7 +22,7 @@ from ..lowerings.activation_linear import ActivationLinearLowering, ActivationLi
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .readers import dying, find_readers, linear_fusable, method_or_name, shape_of, view_inputs
+from .readers import dying, find_readers, linear_fusable, linear_name, method_or_name, shape_of, view_inputs
 from .sites import module_fqn
 
 if TYPE_CHECKING:
@@ -112,11 +112,11 @@ def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
                             or (u is not None and is_dtensor(u.meta.get("example_value")))):
             why = "DTensor input"
         if why is not None:
-            record(False, f"{linear.spec.fqn}: {why}", linear.spec.recipe.name)
+            record(False, f"{linear_name(reader)}: {why}", linear.spec.recipe.name)
             continue
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe, linear.spec.weight_in_out,
                                     reader.casts)
-        record(True, f"fused into {linear.spec.fqn}" + (" (tanh GELU)" if kind == "gelu_tanh" else ""),
+        record(True, f"fused into {linear_name(reader)}" + (" (tanh GELU)" if kind == "gelu_tanh" else ""),
                linear.spec.recipe.name)
         graph = scope.graph
         going = dying([reader])

@@ -24,12 +24,14 @@ from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
-from .readers import Reader, Readers, dying, find_readers, linear_fusable, method_or_name, shape_of, view_inputs
+from .readers import (Reader, dying, find_readers, linear_fusable, linear_name, method_or_name, shape_of,
+                      view_inputs)
 
 if TYPE_CHECKING:
     from . import PassContext
 
 __all__ = ["fuse_norms"]
+
 
 def _record(ctx: "PassContext", scope: GraphScope, site: NormSite, fused: bool, reason: str,
             recipe: Optional[str] = None) -> None:
@@ -84,7 +86,7 @@ def fuse_norms(ctx: "PassContext", scope: GraphScope) -> int:
             why = linear_fusable(r, "norm")
             first = chosen[0] if chosen else None
             if why is None and first is not None and (r.node.target.spec.recipe != first.node.target.spec.recipe):
-                why = f"recipe differs from {first.node.target.spec.fqn}'s"
+                why = f"recipe differs from {linear_name(first)}'s"
             elif why is None and first is not None and r.casts != first.casts:
                 why = "casts on the way differ"
             if why is None:
@@ -93,17 +95,17 @@ def fuse_norms(ctx: "PassContext", scope: GraphScope) -> int:
                 left.append((r, why))
         recipe = chosen[0].node.target.spec.recipe.name if chosen else None
         if not chosen:
-            _record(ctx, scope, site, False, "; ".join(f"{r.node.target.spec.fqn}: {why}" for r, why in left),
+            _record(ctx, scope, site, False, "; ".join(f"{linear_name(r)}: {why}" for r, why in left),
                     left[0][0].node.target.spec.recipe.name)
             continue
-        reason = _fuse(scope, site, chosen, readers, left)
+        reason = _fuse(scope, site, chosen, left)
         _record(ctx, scope, site, True, reason, recipe)
         count += 1
     return count
 
 
-def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], readers: Readers,
-          left: list[tuple[Reader, str]]) -> str:
+def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], left: list[tuple[Reader, str]]) -> str:
+    """Replace ``chosen``'s linears by one fused call; the report text."""
     graph = scope.graph
     order = {n: i for i, n in enumerate(graph.nodes)}
     # the fused call goes right after the last of its operands, before any of its linears
@@ -142,9 +144,9 @@ def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], readers: Read
     if emit_hp:
         outs[-1].meta.update(site.node.meta)
         site.node.replace_all_uses_with(outs[-1])
-    text = "fused into " + ", ".join(lowering.spec.consumers)
+    text = "fused into " + ", ".join(linear_name(r) for r in chosen)
     if left:
-        text += "; unfused readers: " + ", ".join(f"{r.node.target.spec.fqn} ({why})" for r, why in left)
+        text += "; unfused readers: " + ", ".join(f"{linear_name(r)} ({why})" for r, why in left)
     if hp_users:
         text += "; the high-precision output is kept for other readers"
     return text

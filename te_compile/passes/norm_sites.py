@@ -184,7 +184,7 @@ def _parse_library(site: NormSite, node: fx.Node) -> None:
     elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
         site.why = f"output dtype {dtype}"
     else:
-        site.spec = NormSpec(site.op, float(eps), prod_dtype=dtype)
+        _set_spec(site, site.op, float(eps), prod_dtype=dtype)
 
 
 def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
@@ -207,7 +207,7 @@ def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
         return
     pre_end = _after_casts(normed)
     if product is None:
-        site.spec = NormSpec("rms_norm", float(eps), casts=_casts_between(normed, site.node))
+        _set_spec(site, "rms_norm", float(eps), casts=_casts_between(normed, site.node))
         return
     w_expr = next(a for a in product.args if a is not pre_end)
     inner = _strip_casts(w_expr)
@@ -223,9 +223,17 @@ def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
         return
     site.weight = inner
     pre = _dtype(pre_end)
-    site.spec = NormSpec("rms_norm", float(eps), zero_centered=zero_centered,
-                         pre_dtype=None if pre == torch.float32 else pre, prod_dtype=_dtype(product),
-                         casts=_casts_between(product, site.node))
+    _set_spec(site, "rms_norm", float(eps), zero_centered=zero_centered,
+              pre_dtype=None if pre == torch.float32 else pre, prod_dtype=_dtype(product),
+              casts=_casts_between(product, site.node))
+
+
+def _set_spec(site: NormSite, *args, **kwargs) -> None:
+    """site.spec, or site.why when the dtypes are ones the fused kernels do not handle (float64)."""
+    try:
+        site.spec = NormSpec(*args, **kwargs)
+    except ValueError as e:
+        site.why = str(e)
 
 
 def _chain(node, stop) -> list[fx.Node]:

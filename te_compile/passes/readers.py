@@ -16,7 +16,7 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
 
 __all__ = ["Reader", "Readers", "find_readers", "passes_through", "linear_fusable", "view_inputs", "dying",
-           "method_or_name", "shape_of"]
+           "method_or_name", "shape_of", "linear_name"]
 
 _CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
 _VIEWS = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "contiguous")
@@ -144,3 +144,8 @@ def dying(chosen: list[Reader]) -> set[fx.Node]:
                 dying.add(op)
                 changed = True
     return dying
+
+
+def linear_name(reader: Reader) -> str:
+    """The linear's module path for report texts ("<root>" for the model itself, as the table shows)."""
+    return reader.node.target.spec.fqn or "<root>"
