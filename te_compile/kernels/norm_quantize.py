@@ -327,6 +327,26 @@ if HAS_TRITON:
         tl.store(data_t_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
     @triton.jit
+    def _backward_tile(dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
+                       IS_LN: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+        """One [rows, BLOCK_K] tile of the backward from column k0: (cols, cmask, mask, dy, xhat, dxhat),
+        fp32; dxhat = dy * w (or dy * (1 + w), or dy without a weight)."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        mask = rmask[:, None] & cmask[None, :]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        xhat = _normalize(x, mean, rstd, IS_LN)
+        dxhat = dy
+        if HAS_W:
+            w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+            if ZERO_CENTERED:
+                w = w + 1.0
+            dxhat = dy * w
+        return cols, cmask, mask, dy, xhat, dxhat
+
+    @triton.jit
     def _norm_backward_kernel(
         dy_ptr, x_ptr, w_ptr, mean_ptr, rstd_ptr,   # dy, x [M, K] (row strides), w [K], mean, rstd [M]
         dx_ptr,                                     # [M, K] out, x's dtype, contiguous
@@ -344,41 +364,22 @@ if HAS_TRITON:
         s_dxhat = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         s_proj = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xhat = _normalize(x, mean, rstd, IS_LN)
-            if HAS_W:
-                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                if ZERO_CENTERED:
-                    w = w + 1.0
-                dxhat = dy * w
-            else:
-                dxhat = dy
+            cols, cmask, mask, dy, xhat, dxhat = _backward_tile(
+                dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
+                IS_LN, HAS_W, ZERO_CENTERED, BLOCK_K)
             s_dxhat += dxhat
             s_proj += tl.where(mask, dxhat * xhat, 0.0)
         c_dxhat = tl.sum(s_dxhat, axis=1) / K
         c_proj = tl.sum(s_proj, axis=1) / K
         # pass 2: dx, and this program's share of dw, db
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            mask = rmask[:, None] & cmask[None, :]
-            x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            xhat = _normalize(x, mean, rstd, IS_LN)
+            cols, cmask, mask, dy, xhat, dxhat = _backward_tile(
+                dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
+                IS_LN, HAS_W, ZERO_CENTERED, BLOCK_K)
             if HAS_W:
-                w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
-                if ZERO_CENTERED:
-                    w = w + 1.0
-                dxhat = dy * w
                 seen = tl.where(mask, _round(xhat, PRE), 0.0)
                 tl.store(dw_part_ptr + pid * K + cols, tl.sum(dy * seen, axis=0), mask=cmask)
                 tl.store(db_part_ptr + pid * K + cols, tl.sum(dy, axis=0), mask=cmask)
-            else:
-                dxhat = dy
             if IS_LN:
                 dx = rstd[:, None] * (dxhat - c_dxhat[:, None] - xhat * c_proj[:, None])
             else:
