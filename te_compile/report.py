@@ -15,7 +15,8 @@ _SHOWN = 5  # sites left in high precision named per summary line
 @dataclass(frozen=True)
 class SiteRecord:
     fqn: str                  # module path as model.named_modules() names it, e.g. "blocks.0.mlp.fc"
-    op: str                   # "linear" | "layer_norm" | "rms_norm" | "sdpa"
+    # "linear" | "layer_norm" | "rms_norm" | "gelu" | "relu" | "relu2" | "silu" | "swiglu" | "geglu" | "sdpa"
+    op: str
     recipe: Optional[str]     # recipe class name, or None when the site stays in high precision
     rewritten: bool
     reason: str               # why not rewritten, or how it was lowered

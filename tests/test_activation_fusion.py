@@ -98,12 +98,16 @@ def test_activation_with_other_readers_or_another_recipe_stays_unfused():
         ("relu", False, "down2: recipe MXFP8BlockScaling (activation fusion covers the per-tensor FP8 recipes)")]
 
 
-def test_hugging_face_llama_swiglu_fuses_with_loss_parity():
+@pytest.mark.parametrize("arch, op", [("llama", "swiglu"), ("gemma", "geglu")])
+def test_hugging_face_gated_mlps_fuse_with_bit_exact_loss(arch, op):
     transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
-    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=128)
+    kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=128)
     torch.manual_seed(0)
-    base = transformers.LlamaForCausalLM(config)
+    if arch == "llama":
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kwargs))
+    else:
+        base = transformers.GemmaForCausalLM(transformers.GemmaConfig(head_dim=16, **kwargs))
     ids = torch.randint(0, 128, (2, 16))
     losses = {}
     for fused in (True, False):
@@ -115,6 +119,47 @@ def test_hugging_face_llama_swiglu_fuses_with_loss_parity():
         loss.backward()
         losses[fused] = loss.detach()
         if fused:
-            [row] = [s for s in te_compile.report().sites if s.op == "swiglu"]
-            assert row.rewritten and row.reason == "fused into model.layers.0.mlp.down_proj"
+            [row] = [s for s in te_compile.report().sites if s.op == op]
+            tanh = " (tanh GELU)" if arch == "gemma" else ""   # Gemma's default hidden_act is gelu_pytorch_tanh
+            assert row.rewritten and row.reason == f"fused into model.layers.0.mlp.down_proj{tanh}"
     assert_bitwise_equal(losses[True], losses[False])
+
+
+@pytest.mark.parametrize("name", ["gelu_new", "gelu_fast", "quick_gelu", "silu"])
+def test_hugging_face_activation_modules_fuse_bit_exact(name):
+    """HF's hand-written GELUs (copied out of the graph) and nn.SiLU, under both per-tensor recipes."""
+    activations = pytest.importorskip("transformers.activations", reason="needs transformers")
+
+    class HFMLP(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.act, self.down = nn.Linear(D, H), activations.ACT2FN[name], nn.Linear(H, D)
+
+        def forward(self, x):
+            return self.down(self.act(self.up(x)))
+
+    torch.manual_seed(0)
+    base = HFMLP()
+    x = torch.randn(2, 8, D)
+    for recipe in ("Float8CurrentScaling", "DelayedScaling"):
+        fused = _run(copy.deepcopy(base), x, recipe=recipe, compiler="aot_eager")
+        [row] = fused[3]
+        op = "silu" if name == "silu" else "gelu"
+        hand = "" if name == "silu" else " (hand-written GELU)"
+        assert (row.fqn, row.op, row.rewritten, row.reason) == ("act", op, True, f"fused into down{hand}")
+        _assert_same(fused, _run(copy.deepcopy(base), x, recipe=recipe, compiler="aot_eager",
+                                 rewrite={"activation": False}))
+
+
+def test_elementwise_math_without_a_transcendental_is_not_an_activation():
+    class Scale(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x):
+            h = self.up(x)
+            return self.down(0.5 * h * (h + 1.0))
+
+    rows = _run(Scale(), torch.randn(2, D), recipe="Float8CurrentScaling", compiler="aot_eager")[3]
+    assert rows == []

@@ -4,7 +4,12 @@ LayerNormMLP): ``ActivationLinearLowering(spec)(h, u, shape, weight, bias, *dela
     gelu:   a = F.gelu(h)            (erf, or approximate="tanh")
     relu:   a = F.relu(h)
     relu2:  a = F.relu(h) ** 2
+    silu:   a = F.silu(h)
     swiglu: a = F.silu(h) * u        (Llama's gate: h = gate_proj(x), u = up_proj(x))
+    geglu:  a = F.gelu(h) * u        (Gemma's; erf or tanh)
+    custom: a = spec.fn(h)           a hand-written elementwise activation (HF GPT-2's gelu_new),
+                                     the model's own ops copied out of its graph; backward
+                                     differentiates them with autograd
 
 Forward computes a, its amax and its FP8 bytes and runs the GEMM: the same ops, hence the same bytes,
 as te's unfused path. What is saved differs: the activation's input (which its backward needs
@@ -17,7 +22,7 @@ fp8_linear.py's.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -30,11 +35,13 @@ from .linear import LinearLowering, _autocast_dtype
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction", "activation"]
 
-ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "swiglu")
+ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "silu", "swiglu", "geglu", "geglu_tanh", "custom")
 
 
-def activation(kind: str, h: torch.Tensor, u: Optional[torch.Tensor]) -> torch.Tensor:
+def activation(kind: str, h: torch.Tensor, u: Optional[torch.Tensor], fn: Optional[Callable] = None) -> torch.Tensor:
     """The activation's output, by the ops the model's code calls (so the bytes match)."""
+    if kind == "custom":
+        return fn(h)
     if kind == "gelu":
         return F.gelu(h)
     if kind == "gelu_tanh":
@@ -43,21 +50,35 @@ def activation(kind: str, h: torch.Tensor, u: Optional[torch.Tensor]) -> torch.T
         return F.relu(h)
     if kind == "relu2":
         return F.relu(h).square()
+    if kind == "silu":
+        return F.silu(h)
     if kind == "swiglu":
         return F.silu(h) * u
+    if kind in ("geglu", "geglu_tanh"):
+        return F.gelu(h, approximate="tanh" if kind == "geglu_tanh" else "none") * u
     raise ValueError(f"activation kind must be one of {ACTIVATIONS}, got {kind!r}")
 
 
-def _activation_backward(kind: str, da: torch.Tensor, h: torch.Tensor, u: Optional[torch.Tensor]):
+def _activation_backward(kind: str, da: torch.Tensor, h: torch.Tensor, u: Optional[torch.Tensor],
+                         fn: Optional[Callable] = None):
     """(dh, du) for the gradient ``da`` of the activation's output (autograd's own formulas)."""
+    if kind == "custom":
+        with torch.enable_grad():   # aot_autograd traces this into the backward graph
+            leaf = h.detach().requires_grad_()
+            (dh,) = torch.autograd.grad(fn(leaf), leaf, da)
+        return dh, None
     if kind in ("gelu", "gelu_tanh"):
         return torch.ops.aten.gelu_backward(da, h, approximate="tanh" if kind == "gelu_tanh" else "none"), None
     if kind == "relu":
         return torch.where(h > 0, da, torch.zeros_like(da)), None
     if kind == "relu2":
         return da * 2 * F.relu(h), None
-    s = F.silu(h)
-    return torch.ops.aten.silu_backward(da * u, h), da * s
+    if kind == "silu":
+        return torch.ops.aten.silu_backward(da, h), None
+    if kind in ("geglu", "geglu_tanh"):
+        approximate = "tanh" if kind == "geglu_tanh" else "none"
+        return torch.ops.aten.gelu_backward(da * u, h, approximate=approximate), da * F.gelu(h, approximate=approximate)
+    return torch.ops.aten.silu_backward(da * u, h), da * F.silu(h)
 
 
 @dataclass(frozen=True)
@@ -68,6 +89,7 @@ class ActivationLinearSpec:
     recipe: Recipe                           # DelayedScaling or Float8CurrentScaling
     weight_in_out: bool = False
     casts: tuple[torch.dtype, ...] = ()      # dtype casts between the activation and the linear
+    fn: Optional[Callable] = None            # kind "custom": h -> a, the model's ops (an fx.GraphModule)
 
 
 class ActFp8LinearFunction(torch.autograd.Function):
@@ -79,7 +101,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale):
         recipe = spec.recipe
-        a = _cast(activation(spec.kind, h, u), spec.casts)
+        a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
         x_amax = tensor_amax(a)
         if x_scale is None:
             x_scale = compute_scale(x_amax, recipe.fp8_format.dtype_for("input"),
@@ -105,10 +127,10 @@ class ActFp8LinearFunction(torch.autograd.Function):
         dh = du = dw = carrier_grad = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
             da = fp8_gemm(gq, wq.t().contiguous().t(), g_sinv, w_sinv, out_dtype=a_dtype)
-            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u)
+            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
         if ctx.needs_input_grad[3]:
             # the forward's FP8 operand, recomputed from the saved activation input and scale
-            a = _cast(activation(spec.kind, h, u), spec.casts)
+            a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
             xq = cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input"))
             dw = fp8_gemm(gq.t().contiguous(), xq.t().contiguous().t(), g_sinv, x_sinv, out_dtype=w_dtype)
         if ctx.needs_input_grad[4]:
@@ -140,7 +162,7 @@ class ActivationLinearLowering:
 
     def __call__(self, h, u, shape, weight, bias, *delayed):
         if _autocast_dtype(h) is not None:
-            a = _cast(activation(self.spec.kind, h, u), self.spec.casts)
+            a = _cast(activation(self.spec.kind, h, u, self.spec.fn), self.spec.casts)
             return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         k = h.shape[-1]

@@ -23,7 +23,7 @@ from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .naming import FrameInstances
-from .activation_fusion import fuse_activations
+from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -54,6 +54,7 @@ PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     fuse_norms,
     fuse_activations,
+    fuse_hand_written_activations,
 )
 
 

@@ -7,6 +7,11 @@ operation with it (lowerings/activation_linear.py). Runs after the linear pass, 
 An activation is fused when one linear under a per-tensor recipe is its only reader (through casts,
 views keeping the last dim, dropout(p=0)); otherwise the report row says why not. One row per
 activation site; ``fqn`` is the module whose forward applies it.
+
+Hand-written activations (HF's gelu_new / gelu_fast / quick_gelu: elementwise arithmetic of one
+tensor around a tanh, erf or sigmoid) are found from the linears they feed: the elementwise region
+behind a linear's input is copied out of the graph into a small GraphModule, which the lowering
+calls (same ops, same bytes) and differentiates with autograd.
 """
 
 from __future__ import annotations
@@ -19,22 +24,29 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..lowerings.activation_linear import ActivationLinearLowering, ActivationLinearSpec
+from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .readers import dying, find_readers, linear_fusable, linear_name, method_or_name, shape_of, view_inputs
+from .readers import (dying, find_readers, linear_fusable, linear_name, method_or_name, passes_through, shape_of,
+                      view_inputs)
 from .sites import module_fqn
 
 if TYPE_CHECKING:
     from . import PassContext
 
-__all__ = ["fuse_activations"]
+__all__ = ["fuse_activations", "fuse_hand_written_activations"]
 
 _GELU = (F.gelu, torch._C._nn.gelu)
 _RELU = (F.relu, torch.relu)
 _SILU = (F.silu, torch._C._nn.silu)
 _MUL = (operator.mul, torch.mul, torch.Tensor.mul)
-_OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "swiglu": "swiglu"}
+_OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "swiglu": "swiglu", "silu": "silu",
+        "geglu": "geglu", "geglu_tanh": "geglu"}
+# elementwise ops a hand-written activation is made of; the transcendental ones mark it as one
+_ARITH = {"mul", "add", "sub", "truediv", "div", "neg", "pow", "__pow__", "__mul__", "__add__", "__sub__",
+          "__truediv__", "__rmul__", "__radd__", "exp", "square"}
+_TRANSCENDENTAL = {"tanh", "sigmoid", "erf"}
 
 
 def _calls(node: fx.Node, fns: tuple, method: str) -> bool:
@@ -58,20 +70,32 @@ def _site(node: fx.Node) -> Optional[tuple[str, fx.Node, Optional[fx.Node], fx.N
     h = node.args[0]
     if _calls(node, _GELU, "gelu"):
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
-        return ("gelu_tanh" if approximate == "tanh" else "gelu"), h, None, node
+        kind = "gelu_tanh" if approximate == "tanh" else "gelu"
+        u = _gate_partner(node, h)
+        if u is not None:   # GeGLU (Gemma): gelu(gate) * up
+            return kind.replace("gelu", "geglu"), h, u, next(iter(node.users))
+        return kind, h, None, node
     if _calls(node, _RELU, "relu") and not node.kwargs.get("inplace", False):
         users = list(node.users)
         if len(users) == 1 and _squares(users[0], node):
             return "relu2", h, None, users[0]
         return "relu", h, None, node
     if _calls(node, _SILU, "silu") and not node.kwargs.get("inplace", False):
-        users = list(node.users)
-        if len(users) == 1 and _calls(users[0], _MUL, "mul") and len(users[0].args) == 2:
-            mul = users[0]
-            u = mul.args[1] if mul.args[0] is node else mul.args[0]
-            if isinstance(u, fx.Node) and u is not node and shape_of(u) == shape_of(h):
-                return "swiglu", h, u, mul
+        u = _gate_partner(node, h)
+        if u is not None:
+            return "swiglu", h, u, next(iter(node.users))
+        return "silu", h, None, node
     return None
+
+
+def _gate_partner(act: fx.Node, h: fx.Node) -> Optional[fx.Node]:
+    """u when ``act``'s only reader is ``act * u`` with u a tensor of h's shape (a gated linear unit)."""
+    users = list(act.users)
+    if len(users) != 1 or not _calls(users[0], _MUL, "mul") or len(users[0].args) != 2:
+        return None
+    mul = users[0]
+    u = mul.args[1] if mul.args[0] is act else mul.args[0]
+    return u if isinstance(u, fx.Node) and u is not act and shape_of(u) == shape_of(h) else None
 
 
 def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
@@ -116,17 +140,113 @@ def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
             continue
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe, linear.spec.weight_in_out,
                                     reader.casts)
-        record(True, f"fused into {linear_name(reader)}" + (" (tanh GELU)" if kind == "gelu_tanh" else ""),
+        record(True, f"fused into {linear_name(reader)}" + (" (tanh GELU)" if kind.endswith("_tanh") else ""),
                linear.spec.recipe.name)
-        graph = scope.graph
-        going = dying([reader])
-        with graph.inserting_before(reader.node):
-            shape = view_inputs(reader, h, graph)
-            new = graph.call_function(ActivationLinearLowering(spec, linear), (h, u, shape, *reader.node.args[1:]))
-        new.meta.update(reader.node.meta)
-        reader.node.replace_all_uses_with(new)
-        order = {n: i for i, n in enumerate(graph.nodes)}
-        for gone in sorted(going, key=order.__getitem__, reverse=True):
-            graph.erase_node(gone)   # the linear, and the casts and views only it read
+        _replace(scope.graph, reader, ActivationLinearLowering(spec, linear), h, u)
+        count += 1
+    return count
+
+
+def _replace(graph: fx.Graph, reader, lowering: ActivationLinearLowering, h: fx.Node, u: Optional[fx.Node]) -> None:
+    """The linear call becomes ``lowering(h, u, shape, weight, bias, *delayed)``."""
+    going = dying([reader])
+    with graph.inserting_before(reader.node):
+        shape = view_inputs(reader, h, graph)
+        new = graph.call_function(lowering, (h, u, shape, *reader.node.args[1:]))
+    new.meta.update(reader.node.meta)
+    reader.node.replace_all_uses_with(new)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for gone in sorted(going, key=order.__getitem__, reverse=True):
+        graph.erase_node(gone)   # the linear, and the casts and views only it read
+
+
+def _elementwise_region(out: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
+    """(h, nodes) when ``out`` is elementwise arithmetic of the single tensor h with scalar constants
+    around a tanh / erf / sigmoid, every intermediate read only inside the region; else None."""
+    region, leaves, todo = set(), set(), [out]
+    while todo:
+        node = todo.pop()
+        if node in region:
+            continue
+        name = method_or_name(node) if node.op in ("call_function", "call_method") else None
+        if name not in _ARITH | _TRANSCENDENTAL or node.kwargs:
+            leaves.add(node)
+            continue
+        if any(not isinstance(a, (fx.Node, int, float)) for a in node.args):
+            return None
+        region.add(node)
+        todo += [a for a in node.args if isinstance(a, fx.Node)]
+    if len(leaves) != 1 or not any(method_or_name(n) in _TRANSCENDENTAL for n in region):
+        return None
+    if any(u not in region for n in region - {out} for u in n.users):
+        return None
+    h = leaves.pop()
+    if shape_of(h) != shape_of(out):
+        return None
+    order = {n: i for i, n in enumerate(out.graph.nodes)}
+    return h, sorted(region, key=order.__getitem__)
+
+
+def _as_module(h: fx.Node, nodes: list[fx.Node]) -> fx.GraphModule:
+    """The region as ``h -> out``, the model's own nodes copied (same ops and constants)."""
+    graph = fx.Graph()
+    env = {h: graph.placeholder("h")}
+    for node in nodes:
+        env[node] = graph.node_copy(node, lambda a: env[a])
+    graph.output(env[nodes[-1]])
+    return fx.GraphModule(torch.nn.Module(), graph, class_name="HandWrittenActivation")
+
+
+def _hand_written_name(nodes: list[fx.Node]) -> str:
+    """"gelu" for tanh / erf forms and x * sigmoid(1.702 x); "silu" for x * sigmoid(x)."""
+    names = {method_or_name(n) for n in nodes}
+    if names & {"tanh", "erf"}:
+        return "gelu"
+    constants = [a for n in nodes for a in n.args if isinstance(a, float)]
+    return "gelu" if any(abs(c - 1.702) < 1e-3 for c in constants) else "silu"
+
+
+def _source(reader_input: fx.Node) -> fx.Node:
+    """The value a linear's input is a cast / view / dropout(p=0) of (itself when none)."""
+    node = reader_input
+    while node.args and isinstance(node.args[0], fx.Node) and passes_through(node, node.args[0]) is not None:
+        node = node.args[0]
+    return node
+
+
+def fuse_hand_written_activations(ctx: "PassContext", scope: GraphScope) -> int:
+    """Fuse hand-written elementwise activations into the FP8 linear reading them (see above)."""
+    if not ctx.config.rewrite.activation or scope.unsupported is not None:
+        return 0
+    count = 0
+    for node in list(scope.graph.nodes):
+        if getattr(node, "_erased", False) or not isinstance(node.target, LinearLowering):
+            continue
+        out = _source(node.args[0])
+        found = _elementwise_region(out)
+        if found is None:
+            continue
+        h, nodes = found
+        readers = find_readers(out)
+        reader = next(r for r in readers.linears if r.node is node)
+        op = _hand_written_name(nodes)
+        fqn = scope.fqn(module_fqn(out))
+        why = linear_fusable(reader, "activation")
+        if why is None and (len(readers.linears) > 1 or readers.others):
+            why = "its output has other readers"
+        if why is None and is_dtensor(h.meta.get("example_value")):
+            why = "DTensor input"
+        linear = node.target
+        where = f"; in a {scope.region}" if scope.region else ""
+        record = SiteRecord(fqn=fqn, op=op, recipe=linear.spec.recipe.name, rewritten=why is None,
+                            reason=(f"{linear_name(reader)}: {why}" if why else
+                                    f"fused into {linear_name(reader)} (hand-written {op.upper()})") + where,
+                            shapes=f"x[{', '.join(str(d) for d in shape_of(h))}]", graph=ctx.graph_id)
+        ctx.record(scope, nodes[0], record)
+        if why is not None:
+            continue
+        spec = ActivationLinearSpec(fqn, "custom", linear.spec.fqn, linear.spec.recipe, linear.spec.weight_in_out,
+                                    reader.casts, _as_module(h, nodes))
+        _replace(scope.graph, reader, ActivationLinearLowering(spec, linear), h, None)
         count += 1
     return count
