@@ -16,7 +16,6 @@ calls (same ops, same bytes) and differentiates with autograd.
 
 from __future__ import annotations
 
-import operator
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -28,8 +27,8 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .readers import (dying, find_readers, linear_fusable, linear_name, method_or_name, passes_through, shape_of,
-                      view_inputs)
+from .matching import MUL, calls, method_or_name, shape_of, shape_text, squared
+from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .sites import module_fqn
 
 if TYPE_CHECKING:
@@ -40,7 +39,6 @@ __all__ = ["fuse_activations", "fuse_hand_written_activations"]
 _GELU = (F.gelu, torch._C._nn.gelu)
 _RELU = (F.relu, torch.relu)
 _SILU = (F.silu, torch._C._nn.silu)
-_MUL = (operator.mul, torch.mul, torch.Tensor.mul)
 _OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "swiglu": "swiglu", "silu": "silu",
         "geglu": "geglu", "geglu_tanh": "geglu"}
 # elementwise ops a hand-written activation is made of; the transcendental ones mark it as one
@@ -49,38 +47,25 @@ _ARITH = {"mul", "add", "sub", "truediv", "div", "neg", "pow", "__pow__", "__mul
 _TRANSCENDENTAL = {"tanh", "sigmoid", "erf"}
 
 
-def _calls(node: fx.Node, fns: tuple, method: str) -> bool:
-    return (node.op == "call_function" and node.target in fns) or (node.op == "call_method" and node.target == method)
-
-
-def _squares(node: fx.Node, r: fx.Node) -> bool:
-    """``node`` is r ** 2 / r.pow(2) / r.square() / r * r."""
-    name = method_or_name(node)
-    if name in ("pow", "__pow__") and len(node.args) == 2 and node.args[0] is r and node.args[1] == 2:
-        return True
-    if name == "square" and node.args and node.args[0] is r:
-        return True
-    return _calls(node, _MUL, "mul") and len(node.args) == 2 and node.args[0] is r and node.args[1] is r
-
-
 def _site(node: fx.Node) -> Optional[tuple[str, fx.Node, Optional[fx.Node], fx.Node]]:
     """(kind, h, u, output node) when ``node`` applies an activation of ACTIVATIONS, else None."""
     if not node.args or not isinstance(node.args[0], fx.Node):
         return None
     h = node.args[0]
-    if _calls(node, _GELU, "gelu"):
+    if calls(node, _GELU, "gelu"):
         approximate = node.kwargs.get("approximate", node.args[1] if len(node.args) > 1 else "none")
         kind = "gelu_tanh" if approximate == "tanh" else "gelu"
         u = _gate_partner(node, h)
         if u is not None:   # GeGLU (Gemma): gelu(gate) * up
             return kind.replace("gelu", "geglu"), h, u, next(iter(node.users))
         return kind, h, None, node
-    if _calls(node, _RELU, "relu") and not node.kwargs.get("inplace", False):
+    if calls(node, _RELU, "relu") and not node.kwargs.get("inplace", False):
         users = list(node.users)
-        if len(users) == 1 and _squares(users[0], node):
+        if len(users) == 1 and squared(users[0]) is node and all(
+                a is node for a in users[0].args if isinstance(a, fx.Node)):   # relu(h) ** 2, not a cast of it
             return "relu2", h, None, users[0]
         return "relu", h, None, node
-    if _calls(node, _SILU, "silu") and not node.kwargs.get("inplace", False):
+    if calls(node, _SILU, "silu") and not node.kwargs.get("inplace", False):
         u = _gate_partner(node, h)
         if u is not None:
             return "swiglu", h, u, next(iter(node.users))
@@ -91,11 +76,21 @@ def _site(node: fx.Node) -> Optional[tuple[str, fx.Node, Optional[fx.Node], fx.N
 def _gate_partner(act: fx.Node, h: fx.Node) -> Optional[fx.Node]:
     """u when ``act``'s only reader is ``act * u`` with u a tensor of h's shape (a gated linear unit)."""
     users = list(act.users)
-    if len(users) != 1 or not _calls(users[0], _MUL, "mul") or len(users[0].args) != 2:
+    if len(users) != 1 or not calls(users[0], MUL, "mul") or len(users[0].args) != 2:
         return None
     mul = users[0]
     u = mul.args[1] if mul.args[0] is act else mul.args[0]
     return u if isinstance(u, fx.Node) and u is not act and shape_of(u) == shape_of(h) else None
+
+
+def _why_not(reader: Reader, readers: Readers, inputs: tuple) -> Optional[str]:
+    """None when the activation and ``reader``, its first FP8 linear, can fuse; else why not."""
+    why = linear_fusable(reader, "activation")
+    if why is None and (len(readers.linears) > 1 or readers.others):
+        why = "its output has other readers"
+    if why is None and any(is_dtensor(t.meta.get("example_value")) for t in inputs if t is not None):
+        why = "DTensor input"
+    return why
 
 
 def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
@@ -111,11 +106,9 @@ def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
         fqn = scope.fqn(module_fqn(node))
 
         def record(fused: bool, reason: str, recipe: Optional[str] = None) -> None:
-            shape = shape_of(h)
-            where = f"; in a {scope.region}" if scope.region and scope.unsupported is None else ""
             ctx.record(scope, node, SiteRecord(
-                fqn=fqn, op=_OPS[kind], recipe=recipe, rewritten=fused, reason=reason + where,
-                shapes=f"x[{', '.join(str(d) for d in shape)}]" if shape is not None else "", graph=ctx.graph_id))
+                fqn=fqn, op=_OPS[kind], recipe=recipe, rewritten=fused, reason=reason + scope.where,
+                shapes=shape_text("x", h) or "", graph=ctx.graph_id))
 
         if not ctx.config.rewrite.activation:
             record(False, "[rewrite] activation = false")
@@ -129,12 +122,7 @@ def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
             continue
         reader = readers.linears[0]
         linear = reader.node.target
-        why = linear_fusable(reader, "activation")
-        if why is None and (len(readers.linears) > 1 or readers.others):
-            why = "its output has other readers"
-        if why is None and (is_dtensor(h.meta.get("example_value"))
-                            or (u is not None and is_dtensor(u.meta.get("example_value")))):
-            why = "DTensor input"
+        why = _why_not(reader, readers, (h, u))
         if why is not None:
             record(False, f"{linear_name(reader)}: {why}", linear.spec.recipe.name)
             continue
@@ -231,17 +219,12 @@ def fuse_hand_written_activations(ctx: "PassContext", scope: GraphScope) -> int:
         reader = next(r for r in readers.linears if r.node is node)
         op = _hand_written_name(nodes)
         fqn = scope.fqn(module_fqn(out))
-        why = linear_fusable(reader, "activation")
-        if why is None and (len(readers.linears) > 1 or readers.others):
-            why = "its output has other readers"
-        if why is None and is_dtensor(h.meta.get("example_value")):
-            why = "DTensor input"
+        why = _why_not(reader, readers, (h,))
         linear = node.target
-        where = f"; in a {scope.region}" if scope.region else ""
         record = SiteRecord(fqn=fqn, op=op, recipe=linear.spec.recipe.name, rewritten=why is None,
                             reason=(f"{linear_name(reader)}: {why}" if why else
-                                    f"fused into {linear_name(reader)} (hand-written {op.upper()})") + where,
-                            shapes=f"x[{', '.join(str(d) for d in shape_of(h))}]", graph=ctx.graph_id)
+                                    f"fused into {linear_name(reader)} (hand-written {op.upper()})") + scope.where,
+                            shapes=shape_text("x", h), graph=ctx.graph_id)
         ctx.record(scope, nodes[0], record)
         if why is not None:
             continue

@@ -9,6 +9,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowerings.sharded_linear import local_value
 from ..recipe import Recipe
+from .matching import shape_text
 from .sites import LinearSite
 
 __all__ = ["linear_ineligibility", "shape_str"]
@@ -41,8 +42,7 @@ def _divisible(dim, by: int) -> bool:
 
 def shape_str(site: LinearSite) -> str:
     def one(name, node):
-        v = _value(node)
-        return f"{name}[{', '.join(str(d) for d in v.shape)}]" if v is not None else f"{name}[?]"
+        return shape_text(name, node) or f"{name}[?]"
 
     parts = [one("x", site.x), one("w", site.weight)]
     if site.param is not None and site.param.name != ".".join(p for p in (site.fqn, "weight") if p):

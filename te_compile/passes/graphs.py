@@ -84,6 +84,12 @@ class GraphScope:
             scope = scope.parent
         return " in ".join(kinds)
 
+    @property
+    def where(self) -> str:
+        """What a report reason of a site here ends with: "; in a <region>" inside a HOP body the
+        passes rewrite, else "" (an unsupported body's reason already says where it is)."""
+        return f"; in a {self.region}" if self.region and self.unsupported is None else ""
+
     def order_key(self, node: fx.Node) -> tuple[float, ...]:
         """Where ``node`` runs in the whole capture: positions of the HOP calls down to it, then its
         own (a checkpointed block's sites sort where the block is called)."""

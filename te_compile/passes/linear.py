@@ -78,7 +78,7 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
     planned = []
     for site in find_linear_sites(scope):
         recipe, why = config.recipe_for(site.fqn)
-        where = f"; in a {scope.region}" if scope.region and scope.unsupported is None else ""
+        where = scope.where
 
         def record(rewritten: bool, reason: str, recipe_name=None, collectives: str = "") -> None:
             ctx.record(scope, site.node, SiteRecord(

@@ -24,8 +24,8 @@ from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
-from .readers import (Reader, dying, find_readers, linear_fusable, linear_name, method_or_name, shape_of,
-                      view_inputs)
+from .matching import method_or_name, shape_text
+from .readers import Reader, dying, find_readers, linear_fusable, linear_name, view_inputs
 
 if TYPE_CHECKING:
     from . import PassContext
@@ -35,12 +35,10 @@ __all__ = ["fuse_norms"]
 
 def _record(ctx: "PassContext", scope: GraphScope, site: NormSite, fused: bool, reason: str,
             recipe: Optional[str] = None) -> None:
-    shapes = " ".join(f"{name}[{', '.join(str(d) for d in shape)}]"
-                      for name, node in (("x", site.x or site.node), ("w", site.weight), ("b", site.bias))
-                      if (shape := shape_of(node)) is not None)
-    where = f"; in a {scope.region}" if scope.region and scope.unsupported is None else ""
+    shapes = " ".join(text for name, node in (("x", site.x or site.node), ("w", site.weight), ("b", site.bias))
+                      if (text := shape_text(name, node)) is not None)
     ctx.record(scope, site.node, SiteRecord(fqn=site.fqn, op=site.op, recipe=recipe, rewritten=fused,
-                                            reason=reason + where, shapes=shapes,
+                                            reason=reason + scope.where, shapes=shapes,
                                             graph=ctx.graph_id))
 
 
@@ -98,16 +96,17 @@ def fuse_norms(ctx: "PassContext", scope: GraphScope) -> int:
             _record(ctx, scope, site, False, "; ".join(f"{linear_name(r)}: {why}" for r, why in left),
                     left[0][0].node.target.spec.recipe.name)
             continue
-        reason = _fuse(scope, site, chosen, left)
+        reason = _fuse(scope, site, chosen, left, order)
         _record(ctx, scope, site, True, reason, recipe)
         count += 1
     return count
 
 
-def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], left: list[tuple[Reader, str]]) -> str:
-    """Replace ``chosen``'s linears by one fused call; the report text."""
+def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], left: list[tuple[Reader, str]],
+          order: dict[fx.Node, int]) -> str:
+    """Replace ``chosen``'s linears by one fused call; the report text. ``order``: each node's
+    position in the graph as it is now."""
     graph = scope.graph
-    order = {n: i for i, n in enumerate(graph.nodes)}
     # the fused call goes right after the last of its operands, before any of its linears
     last = max(_inputs_of(site, chosen), key=order.__getitem__)
     first_linear = min((r.node for r in chosen), key=order.__getitem__)

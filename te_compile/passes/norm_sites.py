@@ -17,7 +17,6 @@ reason instead.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -26,6 +25,7 @@ import torch.fx as fx
 
 from ..kernels.norm_quantize import NormSpec
 from .graphs import GraphScope
+from .matching import ADD, CASTS, MUL, calls, dtype_of, method_or_name, squared, strip_casts
 from .sites import module_fqn
 
 __all__ = ["NormSite", "find_norm_sites"]
@@ -33,9 +33,6 @@ __all__ = ["NormSite", "find_norm_sites"]
 _LAYER_NORM = (torch.nn.functional.layer_norm, torch.layer_norm)
 _RMS_NORM = tuple(f for f in (getattr(torch.nn.functional, "rms_norm", None), getattr(torch, "rms_norm", None))
                   if f is not None)
-_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
-_MUL = (operator.mul, torch.mul, torch.Tensor.mul)
-_ADD = (operator.add, torch.add, torch.Tensor.add)
 
 
 @dataclass
@@ -51,59 +48,25 @@ class NormSite:
     why: Optional[str] = None
 
 
-def _name(node) -> Optional[str]:
-    """A call's op name: the method name, or the function's __name__."""
-    if not isinstance(node, fx.Node):
-        return None
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", None)
-    return None
-
-
-def _is(node, fns: tuple, method: str) -> bool:
-    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in fns)
-                                          or (node.op == "call_method" and node.target == method))
-
-
-def _strip_casts(node):
-    while isinstance(node, fx.Node) and _name(node) in _CASTS and node.args:
-        node = node.args[0]
-    return node
-
-
-def _squared(node) -> Optional[fx.Node]:
-    """v for ``v ** 2``, ``v * v`` or ``v.square()``; else None."""
-    if _name(node) in ("pow", "__pow__") and len(node.args) == 2 and node.args[1] == 2:
-        return node.args[0]
-    if (_is(node, _MUL, "mul") and len(node.args) == 2 and isinstance(node.args[0], fx.Node)
-            and _strip_casts(node.args[0]) is _strip_casts(node.args[1])):   # x.float() * x.float()
-        return node.args[0]
-    if _name(node) == "square" and node.args:
-        return node.args[0]
-    return None
-
-
 def _rms_base(rsqrt: fx.Node) -> Optional[fx.Node]:
     """v when ``rsqrt`` computes rsqrt(mean(v², -1, keepdim) + eps), else None."""
     arg = rsqrt.args[0] if rsqrt.args else None
-    if not _is(arg, _ADD, "add"):
+    if not calls(arg, ADD, "add"):
         return None
     for mean in arg.args:
-        if _name(mean) == "mean" and mean.args:
-            v = _squared(mean.args[0])
+        if method_or_name(mean) == "mean" and mean.args:
+            v = squared(mean.args[0])
             if v is not None:
                 return v
     return None
 
 
 def _has_param(node, params) -> bool:
-    node = _strip_casts(node)
+    node = strip_casts(node)
     if node in params:
         return True
     # Gemma: 1 + w (zero-centred gamma)
-    return _is(node, _ADD, "add") and any(_strip_casts(a) in params for a in node.args)
+    return calls(node, ADD, "add") and any(strip_casts(a) in params for a in node.args)
 
 
 def _hand_rms(rsqrt: fx.Node, params) -> Optional[tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]]:
@@ -113,9 +76,9 @@ def _hand_rms(rsqrt: fx.Node, params) -> Optional[tuple[fx.Node, fx.Node, fx.Nod
     if v is None:
         return None
     # T5 squares a cast copy and multiplies the uncast input: compare with casts stripped
-    base = _strip_casts(v)
+    base = strip_casts(v)
     normed = next((u for u in rsqrt.users
-                   if _is(u, _MUL, "mul") and any(_strip_casts(a) is base for a in u.args if a is not rsqrt)),
+                   if calls(u, MUL, "mul") and any(strip_casts(a) is base for a in u.args if a is not rsqrt)),
                   None)
     if normed is None:
         return None
@@ -123,7 +86,7 @@ def _hand_rms(rsqrt: fx.Node, params) -> Optional[tuple[fx.Node, fx.Node, fx.Nod
     out = _after_casts(normed)
     users = list(out.users)
     product = None
-    if len(users) == 1 and _is(users[0], _MUL, "mul") and any(
+    if len(users) == 1 and calls(users[0], MUL, "mul") and any(
             _has_param(a, params) for a in users[0].args if a is not out):
         product = users[0]
         out = _after_casts(product)
@@ -134,22 +97,17 @@ def _after_casts(node: fx.Node) -> fx.Node:
     """The last of the dtype casts that follow ``node`` as its only user, one after another."""
     while len(node.users) == 1:
         user = next(iter(node.users))
-        if _name(user) not in _CASTS or not user.args or user.args[0] is not node:
+        if method_or_name(user) not in CASTS or not user.args or user.args[0] is not node:
             break
         node = user
     return node
-
-
-def _dtype(node) -> Optional[torch.dtype]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value.dtype if isinstance(value, torch.Tensor) else None
 
 
 def _casts_between(start: fx.Node, end: fx.Node) -> tuple[torch.dtype, ...]:
     """The dtypes of the cast nodes after ``start`` up to ``end`` (a chain from _after_casts)."""
     dtypes, node = [], end
     while node is not start:
-        dtypes.append(_dtype(node))
+        dtypes.append(dtype_of(node))
         node = node.args[0]
     return tuple(reversed(dtypes))
 
@@ -174,7 +132,7 @@ def _parse_library(site: NormSite, node: fx.Node) -> None:
     site.weight = _arg(node, 2, "weight")
     site.bias = _arg(node, 3, "bias") if is_ln else None
     eps = _arg(node, 4 if is_ln else 3, "eps", 1e-5 if is_ln else None)
-    dtype = _dtype(node)
+    dtype = dtype_of(node)
     if eps is None:   # F.rms_norm's default: the eps of its compute dtype (fp32 for fp32/bf16/fp16)
         eps = torch.finfo(torch.float32).eps
     if not _last_dim_only(shape, site.x):
@@ -202,29 +160,29 @@ def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
     if not isinstance(eps, (int, float)):
         site.why = "eps is not a constant"
         return
-    if _dtype(rsqrt) != torch.float32:
-        site.why = f"computes in {_dtype(rsqrt)} (fusion computes norms in float32)"
+    if dtype_of(rsqrt) != torch.float32:
+        site.why = f"computes in {dtype_of(rsqrt)} (fusion computes norms in float32)"
         return
     pre_end = _after_casts(normed)
     if product is None:
         _set_spec(site, "rms_norm", float(eps), casts=_casts_between(normed, site.node))
         return
     w_expr = next(a for a in product.args if a is not pre_end)
-    inner = _strip_casts(w_expr)
+    inner = strip_casts(w_expr)
     zero_centered = inner not in params
     if zero_centered:   # 1 + w
-        others = [a for a in inner.args if _strip_casts(a) not in params]
+        others = [a for a in inner.args if strip_casts(a) not in params]
         if len(inner.args) != 2 or len(others) != 1 or others[0] != 1:
             site.why = "the weight term is neither w nor 1 + w"
             return
-        inner = next(_strip_casts(a) for a in inner.args if _strip_casts(a) in params)
-    if any(_dtype(n) not in (torch.float32, _dtype(inner)) for n in _chain(w_expr, inner)):
+        inner = next(strip_casts(a) for a in inner.args if strip_casts(a) in params)
+    if any(dtype_of(n) not in (torch.float32, dtype_of(inner)) for n in _chain(w_expr, inner)):
         site.why = "the weight is cast to a lower precision before the product"
         return
     site.weight = inner
-    pre = _dtype(pre_end)
+    pre = dtype_of(pre_end)
     _set_spec(site, "rms_norm", float(eps), zero_centered=zero_centered,
-              pre_dtype=None if pre == torch.float32 else pre, prod_dtype=_dtype(product),
+              pre_dtype=None if pre == torch.float32 else pre, prod_dtype=dtype_of(product),
               casts=_casts_between(product, site.node))
 
 
@@ -255,7 +213,7 @@ def find_norm_sites(scope: GraphScope) -> list[NormSite]:
             site = NormSite(node, op, scope.fqn(module_fqn(node)), op)
             _parse_library(site, node)
             sites.append(site)
-        elif _name(node) == "rsqrt":
+        elif method_or_name(node) == "rsqrt":
             found = _hand_rms(node, scope.params)
             if found is not None:
                 out, x, normed, product = found

@@ -14,11 +14,11 @@ import torch.fx as fx
 from ..lowerings.fp8_linear import NO_GROUPS, PER_TENSOR_RECIPES
 from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
+from .matching import CASTS, dtype_of, method_or_name, shape_of
 
 __all__ = ["Reader", "Readers", "find_readers", "passes_through", "linear_fusable", "view_inputs", "dying",
-           "method_or_name", "shape_of", "linear_name"]
+           "linear_name"]
 
-_CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
 _VIEWS = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "contiguous")
 _DROPOUT = (torch.nn.functional.dropout, torch.dropout)
 
@@ -38,31 +38,13 @@ class Readers:
     others: list[fx.Node] = field(default_factory=list)   # nodes reading a high-precision value
 
 
-def method_or_name(node: fx.Node) -> Optional[str]:
-    if node.op == "call_method":
-        return node.target
-    if node.op == "call_function":
-        return getattr(node.target, "__name__", None)
-    return None
-
-
-def _dtype(node: fx.Node) -> Optional[torch.dtype]:
-    value = node.meta.get("example_value")
-    return value.dtype if isinstance(value, torch.Tensor) else None
-
-
-def shape_of(node) -> Optional[tuple]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
-
-
 def passes_through(node: fx.Node, src: fx.Node) -> Optional[str]:
     """"cast" / "view" / "identity" when ``node`` hands ``src``'s values on unchanged in row layout."""
     if not node.args or node.args[0] is not src or any(a is src for a in node.args[1:]) \
             or any(v is src for v in node.kwargs.values()):
         return None
     name = method_or_name(node)
-    if name in _CASTS and _dtype(node) in (torch.float32, torch.bfloat16, torch.float16):
+    if name in CASTS and dtype_of(node) in (torch.float32, torch.bfloat16, torch.float16):
         return "cast"
     if node.op == "call_function" and node.target in _DROPOUT:
         p = node.args[1] if len(node.args) > 1 else node.kwargs.get("p", 0.5)
@@ -95,7 +77,7 @@ def find_readers(out: fx.Node) -> Readers:
             if kind is None:
                 found.others.append(user)
             else:
-                walk(user, chain + [user], casts + ((_dtype(user),) if kind == "cast" else ()))
+                walk(user, chain + [user], casts + ((dtype_of(user),) if kind == "cast" else ()))
 
     walk(out, [], ())
     return found

@@ -1,0 +1,75 @@
+"""Reading FX nodes as Dynamo records them: shared by the site finders and the fusion passes.
+
+A tensor op appears either as ``call_function`` (``torch.mul``, ``operator.mul``) or as
+``call_method`` (``x.mul``); these helpers accept both, and read the example values Dynamo stores
+in ``node.meta["example_value"]``.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Optional
+
+import torch
+import torch.fx as fx
+
+__all__ = ["CASTS", "MUL", "ADD", "method_or_name", "calls", "strip_casts", "squared", "dtype_of", "shape_of",
+           "shape_text"]
+
+# dtype casts between floating-point dtypes
+CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
+MUL = (operator.mul, torch.mul, torch.Tensor.mul)
+ADD = (operator.add, torch.add, torch.Tensor.add)
+
+
+def method_or_name(node) -> Optional[str]:
+    """A call's op name: the method name, or the function's __name__; None for anything else."""
+    if not isinstance(node, fx.Node):
+        return None
+    if node.op == "call_method":
+        return node.target
+    if node.op == "call_function":
+        return getattr(node.target, "__name__", None)
+    return None
+
+
+def calls(node, fns: tuple, method: str) -> bool:
+    """``node`` calls one of ``fns``, or the tensor method ``method``."""
+    return isinstance(node, fx.Node) and ((node.op == "call_function" and node.target in fns)
+                                          or (node.op == "call_method" and node.target == method))
+
+
+def strip_casts(node):
+    """The value ``node`` is a chain of dtype casts of (``node`` itself when it is none)."""
+    while isinstance(node, fx.Node) and method_or_name(node) in CASTS and node.args:
+        node = node.args[0]
+    return node
+
+
+def squared(node) -> Optional[fx.Node]:
+    """v for ``v ** 2``, ``v * v`` (also ``x.float() * x.float()``) or ``v.square()``; else None."""
+    name = method_or_name(node)
+    if name in ("pow", "__pow__") and len(node.args) == 2 and node.args[1] == 2:
+        return node.args[0]
+    if (calls(node, MUL, "mul") and len(node.args) == 2 and isinstance(node.args[0], fx.Node)
+            and strip_casts(node.args[0]) is strip_casts(node.args[1])):
+        return node.args[0]
+    if name == "square" and node.args:
+        return node.args[0]
+    return None
+
+
+def dtype_of(node) -> Optional[torch.dtype]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def shape_of(node) -> Optional[tuple]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+
+
+def shape_text(name: str, node) -> Optional[str]:
+    """``name[d0, d1, ...]`` of ``node``'s example value, for the report; None when it has none."""
+    shape = shape_of(node)
+    return None if shape is None else f"{name}[{', '.join(str(d) for d in shape)}]"
