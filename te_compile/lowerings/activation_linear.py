@@ -28,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from ..recipe import Recipe
-from ..scaling import cast_to_fp8, compute_scale, tensor_amax
-from .fp8_linear import _quantize_per_tensor
+from ..scaling import cast_to_fp8, tensor_amax
+from .fp8_linear import _column_major, _quantize_per_tensor, current_scale
 from .gemm import fp8_gemm
 from .linear import LinearLowering, _autocast_dtype
 
@@ -104,8 +104,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
         x_amax = tensor_amax(a)
         if x_scale is None:
-            x_scale = compute_scale(x_amax, recipe.fp8_format.dtype_for("input"),
-                                    force_pow_2_scales=recipe.use_power_2_scales, amax_epsilon=recipe.amax_epsilon)
+            x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
         xq, x_sinv, x_amax = _quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
         wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale)
         wq = wq.contiguous()
@@ -126,13 +125,13 @@ class ActFp8LinearFunction(torch.autograd.Function):
         gq = gq.contiguous()
         dh = du = dw = carrier_grad = None
         if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            da = fp8_gemm(gq, wq.t().contiguous().t(), g_sinv, w_sinv, out_dtype=a_dtype)
+            da = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=a_dtype)
             dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
         if ctx.needs_input_grad[3]:
             # the forward's FP8 operand, recomputed from the saved activation input and scale
             a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
             xq = cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input"))
-            dw = fp8_gemm(gq.t().contiguous(), xq.t().contiguous().t(), g_sinv, x_sinv, out_dtype=w_dtype)
+            dw = fp8_gemm(gq.t().contiguous(), _column_major(xq), g_sinv, x_sinv, out_dtype=w_dtype)
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
         return None, dh, du, dw, carrier_grad, None, None, None

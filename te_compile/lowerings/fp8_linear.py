@@ -24,10 +24,16 @@ from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
 from .gemm import fp8_gemm
 
-__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS"]
+__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale"]
 
 PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
 NO_GROUPS = ((), (), ())
+
+
+def current_scale(amax: torch.Tensor, role: str, recipe) -> torch.Tensor:
+    """Current scaling's scale [1] for ``role`` from ``amax`` [1], with the recipe's options."""
+    return compute_scale(amax, recipe.fp8_format.dtype_for(role), force_pow_2_scales=recipe.use_power_2_scales,
+                         amax_epsilon=recipe.amax_epsilon)
 
 
 def _quantize_per_tensor(t, role, recipe, scale=None, amax=None):
@@ -40,8 +46,7 @@ def _quantize_per_tensor(t, role, recipe, scale=None, amax=None):
     fp8_dtype = recipe.fp8_format.dtype_for(role)
     amax = tensor_amax(t) if amax is None else amax
     if scale is None:
-        scale = compute_scale(amax, fp8_dtype, force_pow_2_scales=recipe.use_power_2_scales,
-                              amax_epsilon=recipe.amax_epsilon)
+        scale = current_scale(amax, role, recipe)
     data = cast_to_fp8(t, scale, fp8_dtype)
     scale_inv = torch.div(torch.ones_like(scale), scale)
     return data, scale_inv, amax

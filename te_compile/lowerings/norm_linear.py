@@ -27,8 +27,7 @@ import torch
 
 from ..kernels.norm_quantize import NormSpec, norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..recipe import Recipe
-from ..scaling import compute_scale
-from .fp8_linear import _quantize_per_tensor
+from .fp8_linear import _column_major, _quantize_per_tensor, current_scale
 from .gemm import fp8_gemm
 from .linear import _autocast_dtype
 
@@ -71,8 +70,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, qspec)
         x_scale = flat[2]
         if x_scale is None:
-            x_scale = compute_scale(x_amax, fp8, force_pow_2_scales=recipe.use_power_2_scales,
-                                    amax_epsilon=recipe.amax_epsilon)
+            x_scale = current_scale(x_amax, "input", recipe)
         xq, xq_t = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, qspec, fp8)
         x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
         outputs, saved_w, g_scales = [], [], []
@@ -109,7 +107,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
             gq, g_sinv, g_amax = _quantize_per_tensor(grads[i], "grad_output", spec.recipe, g_scale)
             gq = gq.contiguous()
             # dgrads in fp32, summed once: the consumers' contributions to the norm output's gradient
-            dgrad = fp8_gemm(gq, wq.t().contiguous().t(), g_sinv, w_sinv, out_dtype=torch.float32)
+            dgrad = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=torch.float32)
             dh = dgrad if dh is None else dh + dgrad
             base = 4 + _PER_CONSUMER * i
             dw = None
