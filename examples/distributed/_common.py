@@ -1,5 +1,5 @@
-"""What both torchrun examples share: process group setup, and the report and per-rank recipe-state
-check at the end."""
+"""What both torchrun examples share: process group setup, the training loop, and the report and
+per-rank recipe-state check at the end."""
 
 import os
 import sys
@@ -22,6 +22,30 @@ def setup() -> tuple[int, int, torch.device]:
         torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
         dist.init_process_group("gloo")
     return rank, world, device
+
+
+def train(compiled, model: torch.nn.Module, device: torch.device, gen: torch.Generator, rank: int, steps: int,
+          *, mean_over_ranks: bool) -> None:
+    """``steps`` AdamW steps of the compiled GPT on batches from ``gen``; rank 0 prints each step's
+    loss, averaged over the ranks when they train on different data (``mean_over_ranks``)."""
+    from te_compile.data import get_batch
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    world = dist.get_world_size()
+    for step in range(1, steps + 1):
+        x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
+        _, loss = compiled(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if mean_over_ranks:
+            mean = loss.detach().clone()
+            dist.all_reduce(mean)
+            text = f"loss {mean.item() / world:.4f} (mean over {world} ranks)"
+        else:
+            text = f"loss {loss.item():.4f}"
+        if rank == 0:
+            print(f"step {step:3d}  {text}", flush=True)
 
 
 def check_state_identical(model: torch.nn.Module, rank: int) -> bool:

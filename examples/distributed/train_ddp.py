@@ -12,34 +12,20 @@ import sys
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import te_compile
-from te_compile.data import get_batch
 from te_compile.models import gpt_small
 
-from _common import finish, setup
+from _common import finish, setup, train
 
 STEPS = 20
 
-rank, world, device = setup()
+rank, _, device = setup()
 config = sys.argv[1] if len(sys.argv) > 1 else str(Path(__file__).parents[1] / "delayed_scaling.toml")
 torch.manual_seed(0)                                       # the same initial weights on every rank
 model = gpt_small().to(device)
 compiled = torch.compile(DDP(model), backend=te_compile.backend(config=config))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 gen = torch.Generator().manual_seed(1000 + rank)          # each rank its own data
-
-for step in range(1, STEPS + 1):
-    x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
-    _, loss = compiled(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    mean = loss.detach().clone()
-    dist.all_reduce(mean)
-    if rank == 0:
-        print(f"step {step:3d}  loss {mean.item() / world:.4f} (mean over {world} ranks)", flush=True)
-
+train(compiled, model, device, gen, rank, STEPS, mean_over_ranks=True)
 finish(model, rank)

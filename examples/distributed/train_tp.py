@@ -18,10 +18,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import te_compile
-from te_compile.data import get_batch
 from te_compile.models import gpt_small
 
-from _common import finish, setup
+from _common import finish, setup, train
 
 STEPS = 20
 
@@ -33,16 +32,6 @@ model = gpt_small().to(device)
 for block in model.blocks:
     parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
 compiled = torch.compile(model, backend=te_compile.backend(config=config))
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
 gen = torch.Generator().manual_seed(1000)                  # tensor parallel: every rank the same batch
-
-for step in range(1, STEPS + 1):
-    x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
-    _, loss = compiled(x, y)
-    loss.backward()
-    opt.step()
-    opt.zero_grad(set_to_none=True)
-    if rank == 0:
-        print(f"step {step:3d}  loss {loss.item():.4f}", flush=True)
-
+train(compiled, model, device, gen, rank, STEPS, mean_over_ranks=False)
 finish(model, rank)
