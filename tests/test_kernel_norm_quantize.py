@@ -180,3 +180,33 @@ def test_empty_rows():
         assert m.shape == (0,) and a.item() == 0.0
         d, dt = nq.norm_quantize_triton(x, w, b, m, r, torch.ones(1), spec, torch.float8_e4m3fn)
         assert d.shape == (0, 32) and dt.shape == (32, 0)
+
+
+@needs_triton
+@pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
+def test_custom_ops_launch_the_kernels(with_weight):
+    """The triton_ops compiled CUDA graphs call: the same results as the launchers (here in the
+    interpreter), outputs that alias nothing (schema check), and no weight -> no dw / db."""
+    spec, x, w, b = _operands("ln", (16, 64), torch.float32, seed(8))
+    w, b = (w, b) if with_weight else (None, None)
+    ops = torch.ops.te_compile
+    stats = ops.norm_stats(x, w, b, spec.encode())
+    for got, ref in zip(stats, nq.norm_stats_triton(x, w, b, spec)):
+        assert_bitwise_equal(got, ref)
+    mean, rstd, amax = stats
+    data, data_t = ops.norm_quantize(x, w, b, mean, rstd, 448.0 / amax, spec.encode(), torch.float8_e4m3fn)
+    ref = nq.norm_quantize_triton(x, w, b, mean, rstd, 448.0 / amax, spec, torch.float8_e4m3fn)
+    assert_bitwise_equal(data, ref[0].view(torch.uint8))
+    assert_bitwise_equal(data_t, ref[1].view(torch.uint8))
+    dy = torch.randn(16, 64, generator=seed(9))
+    dx, dw, db = ops.norm_backward(dy, x, w, mean, rstd, spec.encode())
+    ref = nq.norm_backward_triton(dy, x, w, mean, rstd, spec)
+    assert_bitwise_equal(dx, ref[0])
+    if with_weight:
+        assert_bitwise_equal(dw, ref[1])
+        assert_bitwise_equal(db, ref[2])
+    else:
+        assert dw.numel() == 0 and db.numel() == 0 and dw is not db
+    for op, args in ((ops.norm_stats, (x, w, b, spec.encode())),
+                     (ops.norm_backward, (dy, x, w, mean, rstd, spec.encode()))):
+        torch.library.opcheck(op.default, args, test_utils=("test_schema",))

@@ -404,6 +404,11 @@ def _rows_2d(t: torch.Tensor) -> torch.Tensor:
 
 def norm_stats_triton(x, weight, bias, spec: NormSpec):
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    return _launch_stats(x, weight, bias, spec, _plain)
+
+
+def _launch_stats(x, weight, bias, spec: NormSpec, wrap):
+    """norm_stats_triton, launching ``wrap(kernel)`` (wrap_triton inside the custom op)."""
     require_triton("norm_stats_triton")
     _validate(x, weight, bias)
     x = _rows_2d(x)
@@ -413,7 +418,7 @@ def norm_stats_triton(x, weight, bias, spec: NormSpec):
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     amax = torch.zeros(grid[0], dtype=torch.float32, device=x.device)
     if m and k:
-        _wrap(_norm_stats_kernel)[grid](
+        wrap(_norm_stats_kernel)[grid](
             x, _or(weight, x), _or(bias, x), mean, rstd, amax, m, k, x.stride(0), spec.eps,
             HAS_W=weight is not None, HAS_B=bias is not None, **_constexprs(spec),
             BLOCK_M=_STATS_BLOCK_M, BLOCK_K=_STATS_BLOCK_K)
@@ -422,12 +427,13 @@ def norm_stats_triton(x, weight, bias, spec: NormSpec):
 
 def norm_quantize_triton(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8_dtype: torch.dtype):
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
-    data, data_t = _norm_quantize_bytes(x, weight, bias, mean, rstd, scale, spec, fp8_dtype)
+    data, data_t = _launch_quantize(x, weight, bias, mean, rstd, scale, spec, fp8_dtype, _plain)
     return data.view(fp8_dtype), data_t.view(fp8_dtype)
 
 
-def _norm_quantize_bytes(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8_dtype: torch.dtype):
-    """norm_quantize_triton's outputs as uint8 (custom ops return them so: no dtype-changing views)."""
+def _launch_quantize(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8_dtype: torch.dtype, wrap):
+    """norm_quantize_triton's outputs as uint8 (custom ops return them so: no dtype-changing views),
+    launching ``wrap(kernel)``."""
     require_triton("norm_quantize_triton")
     limit = fp8_max(fp8_dtype)
     _validate(x, weight, bias)
@@ -437,7 +443,7 @@ def _norm_quantize_bytes(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8
     data_t = torch.empty((k, m), dtype=torch.uint8, device=x.device)
     if m and k:
         grid = (-(-m // _TILE_M), -(-k // _TILE_K))
-        _wrap(_norm_quantize_kernel)[grid](
+        wrap(_norm_quantize_kernel)[grid](
             x, _or(weight, x), _or(bias, x), mean, rstd, scale.float(), data, data_t, m, k, x.stride(0),
             HAS_W=weight is not None, HAS_B=bias is not None, **_constexprs(spec), FP8_MAX=limit,
             IS_E4M3=fp8_dtype == torch.float8_e4m3fn, BLOCK_M=_TILE_M, BLOCK_K=_TILE_K)
@@ -446,6 +452,11 @@ def _norm_quantize_bytes(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8
 
 def norm_backward_triton(dy, x, weight, mean, rstd, spec: NormSpec):
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    return _launch_backward(dy, x, weight, mean, rstd, spec, _plain)
+
+
+def _launch_backward(dy, x, weight, mean, rstd, spec: NormSpec, wrap):
+    """norm_backward_triton, launching ``wrap(kernel)``."""
     require_triton("norm_backward_triton")
     _validate(x, weight, None)
     x, dy = _rows_2d(x), _rows_2d(dy)
@@ -455,7 +466,7 @@ def norm_backward_triton(dy, x, weight, mean, rstd, spec: NormSpec):
     parts = torch.zeros((2, grid[0], k), dtype=torch.float32, device=x.device)
     if m and k:
         c = _constexprs(spec)
-        _wrap(_norm_backward_kernel)[grid](
+        wrap(_norm_backward_kernel)[grid](
             dy, x, _or(weight, x), mean, rstd, dx, parts[0], parts[1], m, k, dy.stride(0), x.stride(0),
             IS_LN=c["IS_LN"], HAS_W=weight is not None, ZERO_CENTERED=c["ZERO_CENTERED"], PRE=c["PRE"],
             BLOCK_M=_STATS_BLOCK_M, BLOCK_K=_STATS_BLOCK_K)
@@ -470,45 +481,34 @@ def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
     return other if t is None else t
 
 
-def _wrap(kernel):
-    """The kernel as inductor sees it: wrapped for tracing while a triton_op's body is traced,
-    the plain kernel otherwise (the tests' interpreter runs)."""
-    return torch.library.wrap_triton(kernel) if _TRACING_OPS else kernel
+def _plain(kernel):
+    """The kernel itself (direct launches; the tests' interpreter runs). Inside the custom ops the
+    launchers get ``torch.library.wrap_triton`` instead, so inductor sees and schedules the kernel."""
+    return kernel
 
 
 # ---------------------------------------------------------------------------------------------------
 # custom ops: what compiled CUDA graphs call (inductor schedules the Triton kernels inside them)
 
-_TRACING_OPS = False
-
 if HAS_TRITON:
-    def _traced(fn):
-        def run(*args):
-            global _TRACING_OPS
-            before, _TRACING_OPS = _TRACING_OPS, True
-            try:
-                return fn(*args)
-            finally:
-                _TRACING_OPS = before
-        return run
-
     @torch.library.triton_op("te_compile::norm_stats", mutates_args=())
     def _norm_stats_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                        spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return _traced(norm_stats_triton)(x, weight, bias, NormSpec.decode(spec))
+        return _launch_stats(x, weight, bias, NormSpec.decode(spec), torch.library.wrap_triton)
 
     @torch.library.triton_op("te_compile::norm_quantize", mutates_args=())
     def _norm_quantize_op(x: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
                           mean: torch.Tensor, rstd: torch.Tensor, scale: torch.Tensor, spec: str,
                           fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        return _traced(_norm_quantize_bytes)(x, weight, bias, mean, rstd, scale, NormSpec.decode(spec), fp8_dtype)
+        return _launch_quantize(x, weight, bias, mean, rstd, scale, NormSpec.decode(spec), fp8_dtype,
+                                torch.library.wrap_triton)
 
     @torch.library.triton_op("te_compile::norm_backward", mutates_args=())
     def _norm_backward_op(dy: torch.Tensor, x: torch.Tensor, weight: Optional[torch.Tensor], mean: torch.Tensor,
                           rstd: torch.Tensor, spec: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        dx, dw, db = _traced(norm_backward_triton)(dy, x, weight, mean, rstd, NormSpec.decode(spec))
-        if dw is None:   # custom ops return tensors: empty ones stand for "no weight"
-            dw = db = x.new_empty(0)
+        dx, dw, db = _launch_backward(dy, x, weight, mean, rstd, NormSpec.decode(spec), torch.library.wrap_triton)
+        if dw is None:   # custom ops return tensors, none aliasing another: two empty ones mean "no weight"
+            dw, db = x.new_empty(0), x.new_empty(0)
         return dx, dw, db
 
 
