@@ -7,18 +7,15 @@ asserts on it, so a failure shows as an ordinary assertion with both ranks' valu
 
 from __future__ import annotations
 
-import os
-import socket
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 
 import te_compile
 from te_compile.config import ConfigError, DistributedConfig, config_from_dict
 from te_compile.distributed import AmaxGroup, minimal_groups
+from utils import run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -36,29 +33,6 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down(torch.relu(self.up(self.norm(x))))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, port: int, fn, out_dir: str, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                      TORCHINDUCTOR_CACHE_DIR=os.path.join(out_dir, "inductor"))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
-    try:
-        torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(fn, tmp_path, *args) -> list:
-    """``fn(rank, *args)`` on each of 2 gloo ranks; the list of what each returned."""
-    mp.spawn(_entry, args=(_free_port(), fn, str(tmp_path), args), nprocs=WORLD, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
 
 
 class _Patch:

@@ -164,3 +164,39 @@ def count_calls(gm: torch.fx.GraphModule, target) -> int:
     """Nodes of ``gm`` calling ``target`` (an OpOverload or OpOverloadPacket)."""
     return sum(1 for n in gm.graph.nodes if n.op == "call_function"
                and (n.target is target or getattr(n.target, "overloadpacket", None) is target))
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process tests: gloo ranks spawned on CPU
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank: int, world: int, port: int, fn, out_dir: str, args) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                      TORCHINDUCTOR_CACHE_DIR=os.path.join(out_dir, "inductor"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.save(fn(rank, *args), os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn, tmp_path, *args, world: int = 2) -> list:
+    """``fn(rank, *args)`` on each of ``world`` gloo ranks (one thread each, a free port); the list
+    of what each returned (saved with torch.save, so the test process asserts on plain values)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_rank_entry, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world, join=True)
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
