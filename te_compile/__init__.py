@@ -10,6 +10,7 @@ from .backend import backend
 from .config import ConfigError, TeConfig, load_config
 from .report import Report, SiteRecord, report, reset
 from .state import load_recipe_state_dict, recipe_state_dict
+from .fsdp import enable_fp8_all_gather
 from .hardware import (
     get_device_compute_capability,
     is_bf16_available,
@@ -49,6 +50,8 @@ __all__ = [
     "SiteRecord",
     "recipe_state_dict",
     "load_recipe_state_dict",
+    # FSDP2: all-gather the weights of FP8 linears as FP8 (call before fully_shard)
+    "enable_fp8_all_gather",
     # recipes (te_compile.recipe holds the classes)
     "recipe",
     # quantization core, usable eagerly

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, tensor_amax
-from .fp8_linear import _column_major, _quantize_per_tensor, current_scale
+from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, quantize_weight
 from .gemm import fp8_gemm
 from .linear import LinearLowering, _autocast_dtype
 
@@ -106,7 +106,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
         xq, x_sinv, x_amax = _quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
-        wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale)
+        wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
         wq = wq.contiguous()
         y = fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=a.dtype)
         ctx.spec = spec

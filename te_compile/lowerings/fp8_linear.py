@@ -22,9 +22,10 @@ import torch
 from ..distributed import reduce_amaxes
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
+from ..tensor.float8_tensor import Float8Tensor
 from .gemm import fp8_gemm
 
-__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale"]
+__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight"]
 
 PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
 NO_GROUPS = ((), (), ())
@@ -52,6 +53,26 @@ def _quantize_per_tensor(t, role, recipe, scale=None, amax=None):
     return data, scale_inv, amax
 
 
+def quantize_weight(w_nk, recipe, scale=None, amax=None):
+    """(fp8 data [N, K], scale_inv [1], amax [1]) of the weight operand.
+
+    A weight that arrives as a Float8Tensor in the recipe's weight format (FSDP2's FP8 all-gather,
+    te_compile/fsdp.py) is used as it is: its bytes and scale, no second quantization; under delayed
+    scaling its amax (read back from the bytes) still goes into the history. Any other weight is
+    quantized like every operand (``_quantize_per_tensor``).
+    """
+    fp8_dtype = recipe.fp8_format.dtype_for("weight")
+    if isinstance(w_nk, Float8Tensor) and w_nk._fp8_dtype == fp8_dtype and w_nk._data is not None:
+        data = w_nk._data.view(fp8_dtype)
+        scale_inv = w_nk._scale_inv
+        if amax is None:
+            amax = tensor_amax(data.to(torch.float32)) * scale_inv if scale is not None else torch.zeros_like(scale_inv)
+        return data, scale_inv, amax
+    if isinstance(w_nk, Float8Tensor):
+        w_nk = w_nk.dequantize()
+    return _quantize_per_tensor(w_nk, "weight", recipe, scale, amax)
+
+
 def _column_major(t: torch.Tensor) -> torch.Tensor:
     """Same values, column-major layout (the b operand of _scaled_mm)."""
     return t.t().contiguous().t()
@@ -72,11 +93,15 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
-        x_amax, w_amax = tensor_amax(x2d), tensor_amax(w_nk)
+        x_amax = tensor_amax(x2d)
+        w_amax = None if isinstance(w_nk, Float8Tensor) else tensor_amax(w_nk)
         if x_scale is None and (groups[0] or groups[1]):
-            x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
+            if w_amax is None:   # a pre-quantized weight brings its (whole-weight) scale
+                [x_amax] = reduce_amaxes([x_amax], groups[:1])
+            else:
+                x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
         xq, x_sinv, x_amax = _quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
-        wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale, w_amax)
+        wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
         xq, wq = xq.contiguous(), wq.contiguous()
         y = fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=x2d.dtype)
         ctx.recipe = recipe

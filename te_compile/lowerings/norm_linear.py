@@ -27,7 +27,7 @@ import torch
 
 from ..kernels.norm_quantize import NormSpec, norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..recipe import Recipe
-from .fp8_linear import _column_major, _quantize_per_tensor, current_scale
+from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, quantize_weight
 from .gemm import fp8_gemm
 from .linear import _autocast_dtype
 
@@ -76,7 +76,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         outputs, saved_w, g_scales = [], [], []
         for i in range(len(spec.consumers)):
             w_nk, _, _, w_scale, g_scale = flat[_PER_CONSUMER * i:_PER_CONSUMER * (i + 1)]
-            wq, w_sinv, w_amax = _quantize_per_tensor(w_nk, "weight", recipe, w_scale)
+            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
             wq = wq.contiguous()
             outputs.append(fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=in_dtype))
             saved_w += [wq, w_sinv, w_amax]

@@ -13,6 +13,7 @@ from ..lowerings.fp8_linear import NO_GROUPS
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
 from ..report import SiteRecord
+from ..tensor.float8_tensor import Float8Tensor
 from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope
 from .sites import LinearSite, find_linear_sites
@@ -109,6 +110,8 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
             if isinstance(extra, str):
                 record(False, extra, recipe.name)
                 continue
+        if isinstance(site.weight.meta.get("example_value"), Float8Tensor):
+            why += "; weight all-gathered in FP8"   # te_compile.fsdp: its bytes are the operand
         native, gemm_why = _gemm_path(site, recipe, config)
         spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
         planned.append((site, LinearLowering(spec), extra))

@@ -1,0 +1,258 @@
+"""FSDP2 (``fully_shard``) all-gathers the weights of FP8 linears as FP8 bytes.
+
+Without this, FSDP2 all-gathers each weight in high precision and the te backend quantizes the
+gathered weight inside the compiled graph. ``enable_fp8_all_gather(model)``, called once before
+``fully_shard``, wraps the weights of the linears the config puts under Float8CurrentScaling in
+``Fp8AllGatherWeight``: a tensor subclass around the fp32 master shard that implements FSDP2's
+all-gather extension points. Per all-gather:
+
+- ``fsdp_pre_all_gather`` casts the local shard (in the mixed-precision ``param_dtype``) to FP8 with
+  the scale of the *whole* weight and hands FSDP the uint8 bytes: 1 byte per element on the wire
+  instead of 2 (bf16) or 4 (fp32);
+- ``fsdp_post_all_gather`` wraps the gathered bytes and that scale in a ``Float8Tensor``: the
+  unsharded parameter the compiled graph sees. The linear lowering uses its bytes as the weight
+  operand of the FP8 GEMMs (lowerings/fp8_linear.py ``quantize_weight``): no second quantization.
+
+One scale across shards: current scaling's amax is that of the whole weight, the MAX all-reduce of
+the shard amaxes over the FSDP mesh, so the gathered bytes equal those one process quantizing the
+whole weight produces. ``_ScaleBook`` does this for every wrapped weight in one all-reduce per
+optimizer step: a weight whose shard changed since its scale was computed (its version counter
+moved: the optimizer stepped, or a state dict was loaded) triggers one refresh of all weights that
+are sharded at that moment; the other all-gathers of the step (per-block wrapping gathers each block,
+and again in backward) reuse the cached amaxes. Every rank takes the same decisions, so the
+collectives line up. No extra call per step is needed.
+
+Uneven shards and ranks holding empty shards work: the bytes are padded to FSDP's padded shard size,
+and an empty shard's amax is 0.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Any, Optional, Union
+
+import torch
+import torch.nn as nn
+import torch.utils._pytree as pytree
+
+from .config import TeConfig, load_config, resolve_config
+from .lowerings.fp8_linear import current_scale
+from .recipe import Float8CurrentScaling
+from .scaling import cast_to_fp8, tensor_amax
+from .tensor.float8_tensor import Float8Tensor
+
+__all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
+
+aten = torch.ops.aten
+
+_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Ops that make another view or copy of the same weight: their result stays a wrapper, so the
+# shards FSDP2 cuts out of a wrapped parameter (split, new_zeros, slice, copy_, view) keep the
+# all-gather hooks. Everything else (the optimizer's arithmetic, reading values) sees the plain shard.
+_KEEP_WRAPPED = {
+    aten.detach.default, aten.alias.default, aten.view.default, aten._unsafe_view.default,
+    aten.slice.Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.as_strided.default,
+    aten.new_zeros.default, aten.new_empty.default, aten.empty_like.default, aten.clone.default,
+    aten._to_copy.default, aten._pin_memory.default,
+}
+
+
+class _Slot:
+    """One wrapped weight: where it lives, its recipe, and its last whole-weight amax (fp32 [1])."""
+
+    def __init__(self, module: nn.Module, name: str, fqn: str, recipe: Float8CurrentScaling) -> None:
+        self.module, self.name, self.fqn, self.recipe = module, name, fqn, recipe
+        self.amax: Optional[torch.Tensor] = None
+        self.version: Optional[int] = None
+
+    def sharded(self, mesh) -> Optional[torch.Tensor]:
+        """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right
+        now, else None (FSDP holds the unsharded weight on the module between its all-gather and
+        its reshard)."""
+        from torch.distributed.tensor import DTensor
+
+        param = getattr(self.module, self.name)
+        if (isinstance(param, DTensor) and param.device_mesh == mesh
+                and isinstance(param._local_tensor, Fp8AllGatherWeight)):
+            return param
+        return None
+
+
+class _ScaleBook:
+    """The whole-weight amaxes of one model's wrapped weights, refreshed together once per step."""
+
+    def __init__(self) -> None:
+        self.slots: list[_Slot] = []
+        self.refreshes = 0   # all-reduces issued (tests and the example count them)
+
+    def amax(self, slot_id: int, shard: "Fp8AllGatherWeight", mesh) -> torch.Tensor:
+        """The whole weight's amax (fp32 [1]) for the slot whose local shard is ``shard``."""
+        slot = self.slots[slot_id]
+        param = slot.sharded(mesh)
+        if param is None or param._local_tensor is not shard:
+            raise RuntimeError(f"{slot.fqn}: FSDP2 all-gathers a weight that is not the module's "
+                               f"sharded parameter; enable_fp8_all_gather expects fully_shard's layout")
+        # The optimizer's in-place update (and load_state_dict's copy_) bump the sharded
+        # parameter's version counter: then the cached amax is stale.
+        if slot.amax is None or slot.version != param._version:
+            self._refresh(mesh)
+        return slot.amax
+
+    def _refresh(self, mesh) -> None:
+        """One MAX all-reduce of the shard amaxes of every weight sharded on ``mesh`` now."""
+        import torch.distributed as dist
+
+        members = [(slot, param) for slot in self.slots if (param := slot.sharded(mesh)) is not None]
+        amaxes = torch.cat([tensor_amax(param._local_tensor._tensor) for _, param in members])
+        if mesh.size() > 1:
+            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        self.refreshes += 1
+        for (slot, param), amax in zip(members, amaxes.split(1)):
+            slot.amax, slot.version = amax, param._version
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A high-precision weight (shard) whose FSDP2 all-gather carries FP8 bytes.
+
+    Holds the plain tensor in ``_tensor``; every op runs on it (views and copies stay wrapped, see
+    ``_KEEP_WRAPPED``), so optimizers, ``state_dict`` and eager code see an ordinary weight.
+    """
+
+    @staticmethod
+    def __new__(cls, tensor: torch.Tensor, book: _ScaleBook, slot: int):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, device=tensor.device, layout=tensor.layout,
+            requires_grad=tensor.requires_grad,
+        )
+
+    def __init__(self, tensor: torch.Tensor, book: _ScaleBook, slot: int) -> None:
+        self._tensor = tensor
+        self._book = book
+        self._slot = slot
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    def __repr__(self, *, tensor_contents=None) -> str:
+        return f"Fp8AllGatherWeight({self._book.slots[self._slot].fqn}, {self._tensor!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        owner = next(a for a in pytree.tree_leaves((args, kwargs)) if isinstance(a, cls))
+        unwrap = lambda t: t._tensor  # noqa: E731
+        out = func(*pytree.tree_map_only(cls, unwrap, args), **pytree.tree_map_only(cls, unwrap, kwargs))
+        if func._schema.is_mutable and args and isinstance(args[0], cls):
+            return args[0]   # in place (copy_, the optimizer's add_): the wrapper itself
+        if func not in _KEEP_WRAPPED:
+            return out
+        wrap = lambda t: cls(t, owner._book, owner._slot)  # noqa: E731
+        return pytree.tree_map_only(torch.Tensor, wrap, out)
+
+    def __reduce_ex__(self, protocol):
+        # torch.save / torch.distributed.checkpoint store the plain weight: a checkpoint must not
+        # depend on te_compile (and the scale book holds modules, which do not pickle)
+        return self._tensor.__reduce_ex__(protocol)
+
+    # torch.compile: a traceable wrapper around one inner tensor
+    def __tensor_flatten__(self):
+        return ["_tensor"], (self._book, self._slot)
+
+    @staticmethod
+    def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner["_tensor"], *ctx)
+
+    # ---- FSDP2 all-gather extension ----------------------------------------------------------
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """The local shard as FP8 bytes [ceil(rows / world), ...] (FSDP's padded shard size) and,
+        as metadata, the whole weight's scale_inv [1]."""
+        slot = self._book.slots[self._slot]
+        dtype = mp_policy.param_dtype or self.dtype
+        shard = self._tensor.to(dtype)
+        # max|round(x)| = round(max|x|): the fp32 amax rounded to param_dtype is the amax of the
+        # weight in param_dtype, so one fp32 all-reduce serves every mixed-precision policy.
+        amax = self._book.amax(self._slot, self, mesh).to(dtype).float()
+        scale = current_scale(amax, "weight", slot.recipe)
+        fp8_dtype = slot.recipe.fp8_format.dtype_for("weight")
+        data = cast_to_fp8(shard, scale, fp8_dtype).view(torch.uint8)
+        rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
+        if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
+            padded = data.new_zeros((rows, *data.shape[1:]))
+            padded[: data.shape[0]].copy_(data)
+            data = padded
+        return (data,), (torch.div(torch.ones_like(scale), scale), fp8_dtype)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
+        (data,), (scale_inv, fp8_dtype) = all_gather_outputs, metadata
+        if out is not None:
+            # FSDP re-fills the same all-gather buffer every step, so ``out`` already views the new
+            # bytes; only the scale is new. The version counter stays put: a compiled forward may
+            # have saved this scale for its backward, and the re-gather in backward writes the
+            # same value.
+            if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+                raise RuntimeError("FSDP2 re-gathered an FP8 weight into a new buffer; expected the "
+                                   "buffer of the first all-gather")
+            with torch.autograd._unsafe_preserve_version_counter(out._scale_inv):
+                out._scale_inv.copy_(scale_inv)
+            return None
+        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype)
+        return weight, (data,)
+
+
+def _linear_weights(model: nn.Module, config: TeConfig):
+    """(module, fqn, recipe) of the nn.Linear modules whose weight is gathered in FP8, and
+    {fqn: why not} for the other linears."""
+    chosen, skipped = [], {}
+    for fqn, module in model.named_modules():
+        if not isinstance(module, nn.Linear):
+            continue
+        recipe, _ = config.recipe_for(fqn)
+        if not config.rewrite.linear:
+            skipped[fqn] = "[rewrite] linear = false"
+        elif not isinstance(recipe, Float8CurrentScaling):
+            name = recipe.name if recipe is not None else "none"
+            skipped[fqn] = f"recipe {name}: FP8 all-gather supports Float8CurrentScaling"
+        elif isinstance(module.weight, Fp8AllGatherWeight):
+            skipped[fqn] = "already wrapped"
+        elif module.weight.dtype not in _FLOAT_DTYPES:
+            skipped[fqn] = f"weight dtype {module.weight.dtype} is not one of fp32, bf16, fp16"
+        elif any(d % 16 for d in module.weight.shape):
+            # the linear pass leaves such a linear in high precision (FP8 GEMMs need K, N % 16 == 0);
+            # an FP8-gathered weight would only lose precision there
+            skipped[fqn] = f"weight {list(module.weight.shape)}: FP8 GEMMs need K and N % 16 == 0"
+        else:
+            chosen.append((module, fqn, recipe))
+    return chosen, skipped
+
+
+def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeConfig, None] = None,
+                          **options: Any) -> dict[str, str]:
+    """Make FSDP2 all-gather the weights of ``model``'s FP8 linears as FP8. Call it once, before
+    ``fully_shard`` and before building the optimizer; compile with the same config.
+
+    ``config``/``options``: as for ``te_compile.backend`` (a TOML path or TeConfig, inline keys;
+    default: the config ``torch.compile(..., backend="te")`` would resolve). Linears whose recipe is
+    Float8CurrentScaling get their weight wrapped; others keep high-precision all-gathers.
+    Returns {linear fqn: what happened}, e.g. ``{"layers.0.mlp.up": "FP8 all-gather", "lm_head":
+    "recipe none: ..."}``.
+    """
+    if isinstance(config, TeConfig):
+        resolved = config
+    elif config is not None:
+        resolved = resolve_config({"config": os.fspath(config), **options}) if options else load_config(config)
+    else:
+        resolved = resolve_config(options or None)
+    chosen, outcome = _linear_weights(model, resolved)
+    book = _ScaleBook()
+    for module, fqn, recipe in chosen:
+        weight = module.weight
+        book.slots.append(_Slot(module, "weight", fqn, recipe))
+        wrapped = Fp8AllGatherWeight(weight.detach(), book, len(book.slots) - 1)
+        module.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+        outcome[fqn] = "FP8 all-gather"
+    model._te_fp8_all_gather = book
+    return dict(sorted(outcome.items()))
