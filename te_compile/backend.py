@@ -10,7 +10,7 @@ import torch.fx as fx
 from torch._dynamo.exc import ShortenTraceback
 from torch._guards import detect_fake_mode
 
-from .config import ConfigError, TeConfig, load_config, resolve_config
+from .config import ConfigError, TeConfig, config_argument, resolve_config
 from .passes import run_passes
 from .report import Report, _next_graph_id, _record
 
@@ -143,14 +143,7 @@ def backend(config: Union[str, os.PathLike, TeConfig, None] = None, **options) -
     given here too ("max-autotune", ...).
     """
     mode = options.pop("mode", None)
-    if isinstance(config, TeConfig):
-        if options:
-            raise ValueError("te_compile.backend: pass either a TeConfig or inline options, not both")
-        fixed = config
-    elif config is not None:
-        fixed = resolve_config({"config": os.fspath(config), **options}) if options else load_config(config)
-    else:
-        fixed = resolve_config(options or None)
+    fixed = config_argument(config, options, "te_compile.backend")
 
     def te(gm: fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callable:
         return _compile(gm, example_inputs, fixed, kwargs.get("mode", mode))

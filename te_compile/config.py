@@ -36,6 +36,7 @@ __all__ = [
     "load_config",
     "config_from_dict",
     "resolve_config",
+    "config_argument",
 ]
 
 _ENV_VAR = "TE_COMPILE_CONFIG"
@@ -477,3 +478,17 @@ def resolve_config(options: Optional[Mapping] = None, *, cwd: Union[str, os.Path
         if table is not None:
             return config_from_dict(table, source)
     return TeConfig()
+
+
+def config_argument(config: Union[str, os.PathLike, TeConfig, None], options: Mapping, who: str) -> TeConfig:
+    """The TeConfig an API call taking ``config`` (a TOML path or TeConfig, optional) and inline
+    ``options`` means: the options layered over the file, or resolved as ``torch.compile(...,
+    options=...)`` would be when no file is given."""
+    if isinstance(config, TeConfig):
+        if options:
+            raise ValueError(f"{who}: pass either a TeConfig or inline options, not both")
+        return config
+    if config is not None:
+        return resolve_config({"config": os.fspath(config), **options}) if options else load_config(config)
+    return resolve_config(dict(options) or None)
+

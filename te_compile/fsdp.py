@@ -36,7 +36,7 @@ import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
 
-from .config import TeConfig, load_config, resolve_config
+from .config import TeConfig, config_argument
 from .lowerings.fp8_linear import current_scale
 from .recipe import Float8CurrentScaling
 from .scaling import cast_to_fp8, tensor_amax
@@ -92,8 +92,12 @@ class _ScaleBook:
         slot = self.slots[slot_id]
         param = slot.sharded(mesh)
         if param is None or param._local_tensor is not shard:
-            raise RuntimeError(f"{slot.fqn}: FSDP2 all-gathers a weight that is not the module's "
-                               f"sharded parameter; enable_fp8_all_gather expects fully_shard's layout")
+            current = getattr(slot.module, slot.name)
+            mesh_dims = getattr(getattr(current, "device_mesh", None), "ndim", None)
+            raise RuntimeError(
+                f"{slot.fqn}: FSDP2 all-gathers a weight that is not the module's parameter sharded on "
+                f"the all-gather's mesh (its mesh has {mesh_dims} dims); enable_fp8_all_gather supports "
+                f"fully_shard on a 1-D mesh (not HSDP or FSDP + TP yet)")
         # The optimizer's in-place update (and load_state_dict's copy_) bump the sharded
         # parameter's version counter: then the cached amax is stale.
         if slot.amax is None or slot.version != param._version:
@@ -170,6 +174,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         """The local shard as FP8 bytes [ceil(rows / world), ...] (FSDP's padded shard size) and,
         as metadata, the whole weight's scale_inv [1]."""
         slot = self._book.slots[self._slot]
+        if tuple(self.shape[1:]) != tuple(orig_size[1:]):
+            raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
+                               f"shard {list(self.shape)} of {list(orig_size)}")
         dtype = mp_policy.param_dtype or self.dtype
         shard = self._tensor.to(dtype)
         # max|round(x)| = round(max|x|): the fp32 amax rounded to param_dtype is the amax of the
@@ -240,13 +247,7 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
     Returns {linear fqn: what happened}, e.g. ``{"layers.0.mlp.up": "FP8 all-gather", "lm_head":
     "recipe none: ..."}``.
     """
-    if isinstance(config, TeConfig):
-        resolved = config
-    elif config is not None:
-        resolved = resolve_config({"config": os.fspath(config), **options}) if options else load_config(config)
-    else:
-        resolved = resolve_config(options or None)
-    chosen, outcome = _linear_weights(model, resolved)
+    chosen, outcome = _linear_weights(model, config_argument(config, options, "enable_fp8_all_gather"))
     book = _ScaleBook()
     for module, fqn, recipe in chosen:
         weight = module.weight

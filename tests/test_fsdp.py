@@ -297,3 +297,17 @@ def test_wrapper_is_an_ordinary_weight_outside_fsdp():
     assert not torch.equal(model[0].weight._tensor, before)
     assert isinstance(model[0].weight, Fp8AllGatherWeight)
     assert enable_fp8_all_gather(model, recipe="Float8CurrentScaling")["0"] == "already wrapped"
+
+
+def test_enable_fp8_all_gather_follows_the_config():
+    model = Net()
+    outcome = enable_fp8_all_gather(model, recipe="Float8CurrentScaling", overrides=[
+        {"modules": "head", "recipe": "none"}, {"modules": "block1.*", "recipe": "MXFP8BlockScaling"}])
+    assert outcome["block0.up"] == outcome["block0.down"] == "FP8 all-gather"
+    assert outcome["head"] == "recipe none: FP8 all-gather supports Float8CurrentScaling"
+    assert outcome["block1.up"] == "recipe MXFP8BlockScaling: FP8 all-gather supports Float8CurrentScaling"
+    assert type(model.head.weight.data) is torch.Tensor and type(model.block1.up.weight.data) is torch.Tensor
+    assert enable_fp8_all_gather(Net(), recipe="Float8CurrentScaling", rewrite={"linear": False})["head"] \
+        == "[rewrite] linear = false"
+    with pytest.raises(ValueError, match="either a TeConfig or inline options"):
+        enable_fp8_all_gather(Net(), te_compile.TeConfig(), recipe="DelayedScaling")
