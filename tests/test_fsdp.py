@@ -311,3 +311,38 @@ def test_enable_fp8_all_gather_follows_the_config():
         == "[rewrite] linear = false"
     with pytest.raises(ValueError, match="either a TeConfig or inline options"):
         enable_fp8_all_gather(Net(), te_compile.TeConfig(), recipe="DelayedScaling")
+
+
+def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
+    """The gathered weight's bytes are the GEMM operand: a Float8Tensor made by current scaling of W
+    holds the bytes the lowering would make from W, so outputs and gradients are bit-identical; a
+    Float8Tensor with another scale shows its own bytes are used, not re-quantized from its values."""
+    from te_compile.lowerings.fp8_linear import NO_GROUPS, Fp8LinearFunction, _quantize_per_tensor
+    from te_compile.lowerings.gemm import fp8_gemm
+    from te_compile.tensor import Float8CurrentScalingQuantizer
+
+    recipe = Float8CurrentScaling()
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 64, generator=gen)
+    w = torch.randn(32, 64, generator=gen)
+    wq = Float8CurrentScalingQuantizer(torch.float8_e4m3fn, columnwise=False)(w)
+
+    def run(weight):
+        xg, wg = x.clone().requires_grad_(), weight.detach().requires_grad_()
+        y = Fp8LinearFunction.apply(xg, wg, recipe, NO_GROUPS, None, None, None, None)
+        y.backward(torch.ones_like(y))
+        return y, xg.grad, wg.grad
+
+    for got, want in zip(run(wq), run(w)):
+        assert type(got) is torch.Tensor and got.dtype == torch.float32
+        assert_bitwise_equal(got, want)
+    # bytes using a third of the range: re-quantizing their values would spread them over the
+    # whole range (other bytes, another scale); the lowering must multiply these bytes as they are
+    scale = compute_scale(w.abs().amax().reshape(1), torch.float8_e4m3fn) / 3
+    narrow = Float8Tensor(data=cast_to_fp8(w, scale, torch.float8_e4m3fn).view(torch.uint8),
+                          scale_inv=1 / scale, fp8_dtype=torch.float8_e4m3fn)
+    xq, x_sinv, _ = _quantize_per_tensor(x, "input", recipe)
+    want = fp8_gemm(xq.contiguous(), narrow._data.view(torch.float8_e4m3fn).t(), x_sinv, narrow._scale_inv,
+                    out_dtype=torch.float32)
+    assert_bitwise_equal(run(narrow)[0], want)
+    assert not torch.equal(run(narrow.dequantize())[0], want)
