@@ -37,16 +37,15 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
-from .lowerings.fp8_linear import current_scale
+from .lowerings.fp8_linear import _quantize_per_tensor
+from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
 from .recipe import Float8CurrentScaling
-from .scaling import cast_to_fp8, tensor_amax
+from .scaling import tensor_amax
 from .tensor.float8_tensor import Float8Tensor
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
 aten = torch.ops.aten
-
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 # Ops that make another view or copy of the same weight: their result stays a wrapper, so the
 # shards FSDP2 cuts out of a wrapped parameter (split, new_zeros, slice, copy_, view) keep the
@@ -178,19 +177,19 @@ class Fp8AllGatherWeight(torch.Tensor):
             raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
                                f"shard {list(self.shape)} of {list(orig_size)}")
         dtype = mp_policy.param_dtype or self.dtype
-        shard = self._tensor.to(dtype)
         # max|round(x)| = round(max|x|): the fp32 amax rounded to param_dtype is the amax of the
         # weight in param_dtype, so one fp32 all-reduce serves every mixed-precision policy.
         amax = self._book.amax(self._slot, self, mesh).to(dtype).float()
-        scale = current_scale(amax, "weight", slot.recipe)
-        fp8_dtype = slot.recipe.fp8_format.dtype_for("weight")
-        data = cast_to_fp8(shard, scale, fp8_dtype).view(torch.uint8)
+        # the lowering's own quantization of a weight, with the whole weight's amax: the bytes one
+        # process quantizing the unsharded weight would make
+        data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, amax=amax)
+        data = data.view(torch.uint8)
         rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
         if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
             padded = data.new_zeros((rows, *data.shape[1:]))
             padded[: data.shape[0]].copy_(data)
             data = padded
-        return (data,), (torch.div(torch.ones_like(scale), scale), fp8_dtype)
+        return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
@@ -225,12 +224,12 @@ def _linear_weights(model: nn.Module, config: TeConfig):
             skipped[fqn] = f"recipe {name}: FP8 all-gather supports Float8CurrentScaling"
         elif isinstance(module.weight, Fp8AllGatherWeight):
             skipped[fqn] = "already wrapped"
-        elif module.weight.dtype not in _FLOAT_DTYPES:
+        elif module.weight.dtype not in FLOAT_DTYPES:
             skipped[fqn] = f"weight dtype {module.weight.dtype} is not one of fp32, bf16, fp16"
-        elif any(d % 16 for d in module.weight.shape):
-            # the linear pass leaves such a linear in high precision (FP8 GEMMs need K, N % 16 == 0);
+        elif any(d % gemm_alignment(recipe)[0] for d in module.weight.shape):
+            # the linear pass leaves such a linear in high precision (its eligibility check);
             # an FP8-gathered weight would only lose precision there
-            skipped[fqn] = f"weight {list(module.weight.shape)}: FP8 GEMMs need K and N % 16 == 0"
+            skipped[fqn] = f"weight {list(module.weight.shape)}: {gemm_alignment(recipe)[1]}"
         else:
             chosen.append((module, fqn, recipe))
     return chosen, skipped

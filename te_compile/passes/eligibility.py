@@ -12,9 +12,9 @@ from ..recipe import Recipe
 from .matching import shape_text
 from .sites import LinearSite
 
-__all__ = ["linear_ineligibility", "shape_str"]
+__all__ = ["linear_ineligibility", "shape_str", "FLOAT_DTYPES", "gemm_alignment"]
 
-_FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
 # Multiple that K and N must be of, per recipe, and why. FP8 GEMMs (cuBLASLt) need 16; MXFP8's
 # blocks are 32 long in both directions of the weight (rowwise for fprop, columnwise for dgrad);
@@ -25,6 +25,11 @@ _ALIGN = {
     "NVFP4BlockScaling": (16, "NVFP4 scales blocks of 16 along K and N"),
 }
 _DEFAULT_ALIGN = (16, "FP8 GEMMs need K and N % 16 == 0")
+
+
+def gemm_alignment(recipe: Recipe) -> tuple[int, str]:
+    """(the multiple K and N must be of under ``recipe``, why)."""
+    return _ALIGN.get(recipe.name, _DEFAULT_ALIGN)
 
 
 def _value(node) -> Optional[torch.Tensor]:
@@ -63,14 +68,14 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
         return "input is a scalar"
     if any(statically_known_true(d == 0) for d in x.shape):
         return f"input {list(x.shape)} is empty: nothing to quantize (eager's result, exactly)"
-    if x.dtype not in _FLOAT_DTYPES or w.dtype not in _FLOAT_DTYPES:
-        return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in _FLOAT_DTYPES]}"
+    if x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:
+        return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
     if x.device.type not in _DEVICES:
         return f"device {x.device.type!r} is not supported (supported: {list(_DEVICES)})"
     if recipe.nvfp4() and x.dim() < 2:
         return f"NVFP4 needs an input of at least 2 dims, got {x.dim()}-D"
     n, k = (w.shape[1], w.shape[0]) if site.weight_in_out else (w.shape[0], w.shape[1])
-    align, why = _ALIGN.get(recipe.name, _DEFAULT_ALIGN)
+    align, why = gemm_alignment(recipe)
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
         if not _divisible(dim, align):
             return f"{name}={dim} is not divisible by {align} ({why})"
