@@ -228,9 +228,9 @@ def test_fsdp_report_and_unsharded_weight(fsdp_results):
     result = fsdp_results[0]
     assert "Float8Tensor" in result["unsharded_head"]
     rows = {fqn: (rewritten, reason) for fqn, op, rewritten, reason in result["report"] if op == "linear"}
-    assert rows["head"][0] and "weight all-gathered in FP8" in rows["head"][1]
-    assert rows["block1.down"][0] and "weight all-gathered in FP8" in rows["block1.down"][1]
-    assert not rows["tiny"][0] and "weight all-gathered in FP8" not in rows["tiny"][1]
+    assert rows["head"][0] and "weight already quantized, used as is" in rows["head"][1]
+    assert rows["block1.down"][0] and "weight already quantized, used as is" in rows["block1.down"][1]
+    assert not rows["tiny"][0] and "weight already quantized, used as is" not in rows["tiny"][1]
 
 
 # ---------------------------------------------------------------------------------------------

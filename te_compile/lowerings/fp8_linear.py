@@ -23,6 +23,7 @@ from ..distributed import reduce_amaxes
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
 from ..tensor.float8_tensor import Float8Tensor
+from ..tensor.quantized_tensor import QuantizedTensor
 from .gemm import fp8_gemm
 
 __all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight"]
@@ -57,18 +58,21 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None):
     """(fp8 data [N, K], scale_inv [1], amax [1]) of the weight operand.
 
     A weight that arrives as a Float8Tensor in the recipe's weight format (FSDP2's FP8 all-gather,
-    te_compile/fsdp.py) is used as it is: its bytes and scale, no second quantization; under delayed
-    scaling its amax (read back from the bytes) still goes into the history. Any other weight is
-    quantized like every operand (``_quantize_per_tensor``).
+    te_compile/fsdp.py; FP8 primary weights, te_compile/primary_weights.py) is used as it is: its
+    bytes and scale, no second quantization. Under delayed scaling its amax still goes into the
+    history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
+    one its bytes show. Any other weight is quantized like every operand (``_quantize_per_tensor``).
     """
     fp8_dtype = recipe.fp8_format.dtype_for("weight")
     if isinstance(w_nk, Float8Tensor) and w_nk._fp8_dtype == fp8_dtype and w_nk._data is not None:
         data = w_nk._data.view(fp8_dtype)
         scale_inv = w_nk._scale_inv
-        if amax is None:
+        if amax is None and w_nk._amax is not None:
+            amax = w_nk._amax
+        elif amax is None:
             amax = tensor_amax(data.to(torch.float32)) * scale_inv if scale is not None else torch.zeros_like(scale_inv)
         return data, scale_inv, amax
-    if isinstance(w_nk, Float8Tensor):
+    if isinstance(w_nk, QuantizedTensor):   # another format: its values, quantized again
         w_nk = w_nk.dequantize()
     return _quantize_per_tensor(w_nk, "weight", recipe, scale, amax)
 

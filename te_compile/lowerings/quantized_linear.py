@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..distributed import ROLES
-from ..tensor.quantized_tensor import Quantizer, prepare_for_saving, restore_from_saved
+from ..tensor.quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved
 from .block_gemm import native_block_gemm, native_pair_supported
 from .fp8_linear import NO_GROUPS
 from .gemm import dequantized_gemm
@@ -45,6 +45,24 @@ def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *
         quantizer.amax_reduction_groups = role_groups
     quantizer.internal = True
     return quantizer.quantize(t)
+
+
+def _weight_operand(factory: Callable[[str], Quantizer], w_nk: torch.Tensor, *, columnwise: bool, groups):
+    """The weight's quantized copies for this call, as a storage object.
+
+    A weight that already is a tensor of the weight quantizer's format (an FP8 primary weight,
+    te_compile/primary_weights.py) is used as it is: a new storage over its buffers (so that dropping
+    a copy for saving leaves the parameter whole), the columnwise copy derived where the format
+    allows. Anything else is quantized here; another quantized format is dequantized first.
+    """
+    quantizer = factory("weight")
+    if isinstance(w_nk, QuantizedTensor) and getattr(quantizer, "matches", lambda t: False)(w_nk):
+        storage = quantizer._storage_cls(shape=w_nk.shape, dtype=w_nk.dtype, **w_nk._fields())
+        storage.update_usage(rowwise_usage=True, columnwise_usage=columnwise or None)
+        return storage
+    if isinstance(w_nk, QuantizedTensor):
+        w_nk = w_nk.dequantize()
+    return _quantize(factory, "weight", w_nk, columnwise=columnwise, groups=groups)
 
 
 def _gemm(native: bool, a, b, *, transpose_a: bool = False, transpose_b: bool = False,
@@ -71,7 +89,7 @@ class QuantizedLinearFunction(torch.autograd.Function):
         qx = _quantize(factory, "input", x2d, groups=groups)
         # Both weight copies in one call: formats with 2-D weight tiles (Float8 block 128x128, NVFP4
         # 16x16) then transpose the rowwise copy instead of quantizing w twice.
-        qw = _quantize(factory, "weight", w_nk, columnwise=needs_dx, groups=groups)
+        qw = _weight_operand(factory, w_nk, columnwise=needs_dx, groups=groups)
         x_quantizer = factory("input")
         if hasattr(x_quantizer, "qgemm"):  # a custom recipe may bring its own GEMM
             y = x_quantizer.qgemm(qx, qw, out_dtype=x2d.dtype)

@@ -13,9 +13,10 @@ from ..recipe import ROLES, CustomRecipe, Float8BlockScaling, MXFP8BlockScaling,
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer
 from ..tensor.nvfp4_tensor import NVFP4Quantizer
+from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.quantized_tensor import Quantizer
 
-__all__ = ["quantizer_factory", "FACTORY_RECIPES"]
+__all__ = ["quantizer_factory", "FACTORY_RECIPES", "weight_is_operand"]
 
 GRADIENT_ROLES = ("grad_output", "grad_input")
 
@@ -71,3 +72,14 @@ def quantizer_factory(recipe: Recipe) -> Callable[[str], Quantizer]:
         return build(recipe, role)
 
     return factory
+
+
+def weight_is_operand(weight, recipe: Recipe) -> bool:
+    """Whether an already-quantized ``weight`` (FSDP2's FP8 all-gather, an FP8 primary weight) is in
+    ``recipe``'s weight format, so that the lowering takes its bytes as they are; a quantized weight
+    of another format is dequantized and quantized again."""
+    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
+        return quantizer_factory(recipe)("weight").matches(weight)
+    fp8_format = getattr(recipe, "fp8_format", None)
+    return (isinstance(weight, Float8Tensor) and fp8_format is not None and not isinstance(recipe, FACTORY_RECIPES)
+            and weight._fp8_dtype == fp8_format.dtype_for("weight"))

@@ -13,7 +13,8 @@ from ..lowerings.fp8_linear import NO_GROUPS
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
 from ..report import SiteRecord
-from ..tensor.float8_tensor import Float8Tensor
+from ..lowerings.quantizers import weight_is_operand
+from ..tensor.quantized_tensor import QuantizedTensor
 from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope
 from .sites import LinearSite, find_linear_sites
@@ -110,8 +111,11 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
             if isinstance(extra, str):
                 record(False, extra, recipe.name)
                 continue
-        if isinstance(site.weight.meta.get("example_value"), Float8Tensor):
-            why += "; weight all-gathered in FP8"   # te_compile.fsdp: its bytes are the operand
+        weight_value = site.weight.meta.get("example_value")
+        if isinstance(weight_value, QuantizedTensor):
+            # FSDP2's FP8 all-gather (te_compile.fsdp) or an FP8 primary weight (primary_weights.py)
+            why += ("; weight already quantized, used as is" if weight_is_operand(weight_value, recipe)
+                    else f"; weight is a {type(weight_value).__name__} of another format: dequantized first")
         native, gemm_why = _gemm_path(site, recipe, config)
         spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
         planned.append((site, LinearLowering(spec), extra))

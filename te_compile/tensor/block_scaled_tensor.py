@@ -235,7 +235,7 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
         return self
 
     def detach(self):
-        return self._like()
+        return self._like()._alias_of(self)
 
     def __repr__(self, *, tensor_contents=None) -> str:
         meta = ", ".join(f"{name[1:]}={getattr(self, name)}" for name in self._META)
@@ -427,8 +427,11 @@ def _unbind(func, args, kwargs):
 
 
 # Moves that would cross blocks: refuse with a clear message rather than silently dequantize.
-_LAYOUT_BREAKING = (aten.t.default, aten.transpose.int, aten.permute.default, aten.as_strided.default,
-                    aten.expand.default)
+# Transposes (t, transpose, permute) are the exception: they run on the dequantized values and
+# return a plain tensor (a copy, not a view), because F.linear decomposes into ``weight.t()`` before
+# its GEMM, and a block-scaled primary weight (te_compile/primary_weights.py) must run eagerly and
+# under Dynamo's fake-tensor trace of F.linear.
+_LAYOUT_BREAKING = (aten.as_strided.default, aten.expand.default)
 
 
 @implements(BlockScaledTensor, *_LAYOUT_BREAKING)

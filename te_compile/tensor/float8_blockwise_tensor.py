@@ -101,6 +101,11 @@ class Float8BlockQuantizer(BlockScaledQuantizer):
         self.force_pow_2_scales = bool(force_pow_2_scales)
         self.amax_epsilon = float(amax_epsilon)
 
+    def matches(self, tensor) -> bool:
+        """Whether ``tensor`` is in this quantizer's format (usable as its output)."""
+        return (isinstance(tensor, Float8BlockwiseQTensorStorage) and tensor._fp8_dtype == self.dtype
+                and tensor._is_2D_scaled == (self.block_scaling_dim == 2))
+
     def _quantize_2d(self, x2d: torch.Tensor):
         return float8_block_quantize(
             x2d, self.dtype, tile_rows=FLOAT8_BLOCK if self.block_scaling_dim == 2 else 1,

@@ -7,6 +7,9 @@ Float8Tensor holds the FP8 data behind a high-precision tensor interface, in the
 - ``_fp8_dtype``: ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
 - ``_transpose``: uint8 [last_dim, numel // last_dim], the columnwise copy (the 2-D transpose), made
   by ``update_usage(columnwise_usage=True)`` and dropped whenever ``_data`` changes shape or values.
+- ``_amax``: fp32 [1] or None, the amax of the high-precision values the bytes were quantized from.
+  Only FP8 primary weights under delayed scaling keep it (te_compile/primary_weights.py): the amax
+  history wants that amax, not the one of the rounded bytes. Re-quantizing in place refreshes it.
 
 Quantizers (kept beside the tensor, as TransformerEngine's ``tensor/float8_tensor.py`` does):
 - ``Float8Quantizer``: delayed scaling, quantizes with a given scale and accumulates the amax.
@@ -48,10 +51,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         quantizer=None,
         shape: Optional[torch.Size] = None,
         dtype: torch.dtype = torch.float32,
+        amax: Optional[torch.Tensor] = None,
     ) -> None:
-        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype)
+        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype, amax)
 
-    def _init_fields(self, data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype):
+    def _init_fields(self, data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype, amax=None):
         if fp8_dtype not in _FP8_DTYPES:
             raise ValueError(f"fp8_dtype must be one of {_FP8_DTYPES}, got {fp8_dtype!r}")
         if data is None and data_transpose is None:
@@ -65,6 +69,9 @@ class Float8TensorStorage(QuantizedTensorStorage):
             )
         if shape is None and data is None:
             raise ValueError("shape is required when only the transpose is given")
+        if amax is not None and (amax.dtype is not torch.float32 or amax.numel() != 1):
+            raise ValueError(f"_amax must be an fp32 tensor with one element, got {amax.dtype} "
+                             f"of shape {tuple(amax.shape)}")
         self._data = data
         self._scale_inv = scale_inv.reshape(1)
         self._fp8_dtype = fp8_dtype
@@ -72,6 +79,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
         self._quantizer = quantizer
         self._logical_shape = torch.Size(shape if shape is not None else data.shape)
         self._nominal_dtype = dtype
+        self._amax = None if amax is None else amax.reshape(1)
 
     @property
     def shape(self) -> torch.Size:
@@ -131,11 +139,11 @@ class Float8TensorStorage(QuantizedTensorStorage):
         }
 
 
-def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, data_transpose, requires_grad):
+def _rebuild_float8_tensor(data, scale_inv, fp8_dtype, dtype, data_transpose, requires_grad, amax=None):
     """torch.load entry point (allow-listed for ``weights_only=True``)."""
     return Float8Tensor(
         data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype,
-        data_transpose=data_transpose, requires_grad=requires_grad,
+        data_transpose=data_transpose, requires_grad=requires_grad, amax=amax,
     )
 
 
@@ -154,6 +162,7 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         quantizer=None,
         shape: Optional[torch.Size] = None,
         requires_grad: bool = False,
+        amax: Optional[torch.Tensor] = None,
     ):
         if shape is None and data is not None:
             shape = data.shape
@@ -163,7 +172,7 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         self = QuantizedTensor.__new__(
             cls, shape, dtype, device=scale_inv.device, requires_grad=requires_grad, strides=strides
         )
-        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype)
+        self._init_fields(data, scale_inv, fp8_dtype, data_transpose, quantizer, shape, dtype, amax)
         return self
 
     def __init__(self, *args, **kwargs):  # all work happens in __new__
@@ -181,8 +190,10 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
             return head + ")"
         return f"{head}, scale_inv={self._scale_inv.item():.6g}, data={self.dequantize()})"
 
-    def _like(self, data, *, scale_inv=None, dtype=None, data_transpose=None, requires_grad=False):
-        """A Float8Tensor sharing this one's format with new buffers."""
+    def _like(self, data, *, scale_inv=None, dtype=None, data_transpose=None, requires_grad=False,
+              amax=None):
+        """A Float8Tensor sharing this one's format with new buffers. ``amax`` only where the result
+        holds all of this tensor's values (a detach or a copy, not a slice)."""
         return Float8Tensor(
             data=data,
             scale_inv=self._scale_inv if scale_inv is None else scale_inv,
@@ -191,6 +202,7 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
             data_transpose=data_transpose,
             quantizer=self._quantizer,
             requires_grad=requires_grad,
+            amax=amax,
         )
 
     def quantize_(self, tensor: torch.Tensor) -> "Float8Tensor":
@@ -206,20 +218,20 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         return self
 
     def detach(self) -> "Float8Tensor":
-        return self._like(self._data, data_transpose=self._transpose)
+        return self._like(self._data, data_transpose=self._transpose, amax=self._amax)._alias_of(self)
 
     def __reduce_ex__(self, protocol):
         return (
             _rebuild_float8_tensor,
             (self._data, self._scale_inv, self._fp8_dtype, self.dtype, self._transpose,
-             self.requires_grad),
+             self.requires_grad, self._amax),
         )
 
     def __deepcopy__(self, memo):
+        clone = lambda t: None if t is None else t.clone()  # noqa: E731
         return self._like(
-            self._data.clone(), scale_inv=self._scale_inv.clone(),
-            data_transpose=None if self._transpose is None else self._transpose.clone(),
-            requires_grad=self.requires_grad,
+            self._data.clone(), scale_inv=self._scale_inv.clone(), data_transpose=clone(self._transpose),
+            requires_grad=self.requires_grad, amax=clone(self._amax),
         )
 
     # torch.compile: the buffers are the inner tensors; the format travels in the context.
@@ -227,6 +239,8 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         names = ["_data", "_scale_inv"]
         if self._transpose is not None:
             names.append("_transpose")
+        if self._amax is not None:
+            names.append("_amax")
         return names, (self._fp8_dtype, self.dtype)
 
     @staticmethod
@@ -234,7 +248,7 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         fp8_dtype, dtype = ctx
         return Float8Tensor(
             data=inner["_data"], scale_inv=inner["_scale_inv"], fp8_dtype=fp8_dtype, dtype=dtype,
-            data_transpose=inner.get("_transpose"), shape=outer_size,
+            data_transpose=inner.get("_transpose"), shape=outer_size, amax=inner.get("_amax"),
         )
 
 
@@ -296,6 +310,9 @@ class _Float8QuantizerBase(Quantizer):
         dst._scale_inv.copy_(scale_inv)
         dst._transpose = transpose
         dst._fp8_dtype = self.dtype
+        if getattr(dst, "_amax", None) is not None:
+            new_amax = tensor_amax(src).to(dst._amax.device).reshape(1)
+            dst._amax.copy_(new_amax if noop_flag is None else torch.where(skip, dst._amax, new_amax))
         return dst
 
     def make_empty(self, shape: Iterable[int], *, dtype=torch.float32, device=None, requires_grad=False):
@@ -424,7 +441,8 @@ def _clone(func, args, kwargs):
     fmt = kwargs.get("memory_format")
     data = self._rowwise_data().clone(memory_format=fmt) if fmt else self._rowwise_data().clone()
     transpose = None if self._transpose is None else self._transpose.clone()
-    return self._like(data, scale_inv=self._scale_inv.clone(), data_transpose=transpose)
+    amax = None if self._amax is None else self._amax.clone()
+    return self._like(data, scale_inv=self._scale_inv.clone(), data_transpose=transpose, amax=amax)
 
 
 def _new_float8(self, shape, fill: Optional[int], kwargs) -> Float8Tensor:
@@ -466,6 +484,9 @@ def _copy_(func, args, kwargs):
         dst._data.copy_(src._rowwise_data())
         dst._scale_inv.copy_(src._scale_inv)
         dst._transpose = None if src._transpose is None else src._transpose.to(dst.device, copy=True)
+        if dst._amax is not None:
+            # a source without one: the amax its bytes show is the best left
+            dst._amax.copy_(src._amax if src._amax is not None else tensor_amax(src.dequantize(dtype=torch.float32)))
         return dst
     src_values = src.dequantize() if isinstance(src, QuantizedTensor) else src
     return dst.quantize_(src_values.to(dst.device).expand(dst.shape))
@@ -480,7 +501,7 @@ def _to_copy(func, args, kwargs):
     moved = lambda t: None if t is None else func(t, **kwargs)  # noqa: E731
     return self._like(
         moved(self._rowwise_data()), scale_inv=moved(self._scale_inv), dtype=dtype,
-        data_transpose=moved(self._transpose),
+        data_transpose=moved(self._transpose), amax=moved(self._amax),
     )
 
 

@@ -83,6 +83,10 @@ class MXFP8Quantizer(BlockScaledQuantizer):
         fp8_max(fp8_dtype)  # validates the dtype, naming the allowed ones
         self.dtype = fp8_dtype
 
+    def matches(self, tensor) -> bool:
+        """Whether ``tensor`` is in this quantizer's format (usable as its output)."""
+        return isinstance(tensor, MXFP8TensorStorage) and tensor._fp8_dtype == self.dtype
+
     def _fields_for(self, x2d: torch.Tensor) -> dict:
         fields = {"fp8_dtype": self.dtype}
         if self.rowwise_usage:

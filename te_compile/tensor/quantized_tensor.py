@@ -193,6 +193,27 @@ class QuantizedTensor(torch.Tensor):
         """Re-quantize ``tensor``'s values into self, in place."""
         raise NotImplementedError(f"{type(self).__name__}.quantize_")
 
+    # FP8 primary weights (te_compile.quantized_model_init(preserve_high_precision_init_val=True))
+    # keep the values they were quantized from, on the CPU, to initialize fp32 master weights. The
+    # holder ([tensor or None]) is shared with detached aliases (``weight.data``), so that an
+    # in-place initialization through one (``weight.data.normal_()``) refreshes it.
+    _hp_init: Optional[list] = None
+
+    def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
+        """The high-precision values this weight was created from (CPU), or None when not kept."""
+        return None if self._hp_init is None else self._hp_init[0]
+
+    def clear_high_precision_init_val(self) -> None:
+        """Drop the kept high-precision values (once the master weights are initialized)."""
+        if self._hp_init is not None:
+            self._hp_init[0] = None
+
+    def _alias_of(self, other: "QuantizedTensor") -> "QuantizedTensor":
+        """Mark self as a full alias of ``other`` (a detach): share what belongs to the values."""
+        if other._hp_init is not None:
+            self._hp_init = other._hp_init
+        return self
+
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -208,5 +229,7 @@ class QuantizedTensor(torch.Tensor):
             # In-place op on a quantized tensor (add_, mul_, zero_, ...): the op ran on a
             # dequantized copy; quantize the result back into the original.
             args[0].quantize_(result)
+            if args[0].get_high_precision_init_val() is not None:
+                args[0]._hp_init[0] = result.detach().to("cpu", copy=True)
             return args[0]
         return result

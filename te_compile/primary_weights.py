@@ -1,0 +1,175 @@
+"""FP8 primary weights: ``nn.Linear`` weights that exist only in their quantized form.
+
+Inside ``with te_compile.quantized_model_init(recipe=...)`` every ``nn.Linear`` (and subclass) built
+holds its weight as a quantized parameter of the recipe's weight format and nothing else: a
+``Float8Tensor`` (current or delayed scaling), an ``MXFP8Tensor`` or a ``Float8BlockwiseQTensor``.
+A weight of N x K elements then costs N*K bytes instead of 2 or 4 per element. The te backend takes
+such a weight as the GEMM operand as it is (lowerings/fp8_linear.py ``quantize_weight``,
+lowerings/quantized_linear.py ``_weight_operand``): no second quantization.
+
+Training keeps fp32 master weights in the optimizer (optionally ZeRO-sharded) and writes the new
+bytes and scales back with ``te_compile.tensor.utils.cast_master_weights_to_fp8`` after each step.
+With ``preserve_high_precision_init_val=True`` each weight keeps, on the CPU, the values it was
+quantized from (``weight.get_high_precision_init_val()``), so the master weights start from the
+same values an unquantized model would; ``clear_high_precision_init_val()`` frees them.
+
+Delayed scaling: the weight is quantized with the scale the compiled graph keeps for it
+(te_compile.state, keyed by this very parameter), and carries the amax of the values it came from
+(``Float8Tensor._amax``) for the graph's amax history, as an on-the-fly weight would.
+
+Mechanism: while a context is active, ``nn.Linear.__init__`` is wrapped to convert the weight when
+the module is built; the original is restored when the outermost context exits. Weights whose shape
+the recipe's GEMMs cannot take (K or N not a multiple of 16, 32 for MXFP8) and non-float weights stay
+in high precision, as the backend would keep those linears.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from typing import Iterator, Optional
+
+import torch
+import torch.nn as nn
+
+from .config import resolve_config
+from .lowerings.quantizers import quantizer_factory
+from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from .scaling import tensor_amax
+from .state import state_for
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
+from .tensor.quantized_tensor import Quantizer
+
+__all__ = ["quantized_model_init", "weight_quantizer", "PRIMARY_WEIGHT_RECIPES"]
+
+log = logging.getLogger(__name__)
+
+# Recipes whose weight format can be a primary weight. NVFP4's weight is 16x16-tiled FP4 with a
+# global amax that the master-weight cast does not handle yet.
+PRIMARY_WEIGHT_RECIPES = (Float8CurrentScaling, DelayedScaling, MXFP8BlockScaling, Float8BlockScaling)
+
+
+@dataclass(frozen=True)
+class _Init:
+    recipe: Recipe
+    keep_init_val: bool
+
+
+# Active contexts, innermost last; None entries are ``enabled=False`` contexts (they switch it off).
+_STACK: list[Optional[_Init]] = []
+_ORIGINAL_LINEAR_INIT = nn.Linear.__init__
+
+
+def _check_recipe(recipe) -> Recipe:
+    if not isinstance(recipe, PRIMARY_WEIGHT_RECIPES):
+        name = recipe.name if isinstance(recipe, Recipe) else repr(recipe)
+        raise ValueError(
+            f"quantized_model_init: recipe {name} has no primary-weight format; use one of "
+            f"{[r.__name__ for r in PRIMARY_WEIGHT_RECIPES]}"
+        )
+    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
+        # the master-weight cast and the all-gather rebuild the columnwise copy from the rowwise
+        # one, which only 128x128 tiles allow
+        raise ValueError("quantized_model_init: Float8BlockScaling primary weights need "
+                         f"w_block_scaling_dim=2 (128x128 tiles), got {recipe.w_block_scaling_dim}")
+    return recipe
+
+
+def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None) -> Quantizer:
+    """The quantizer that makes ``recipe``'s weight operand, bit for bit as the te backend would.
+
+    Delayed scaling needs ``weight`` (the parameter): its quantizer reads the scale the compiled
+    graph keeps for that parameter.
+    """
+    recipe = _check_recipe(recipe)
+    fp8_dtype = recipe.fp8_format.dtype_for("weight") if hasattr(recipe, "fp8_format") else None
+    if isinstance(recipe, Float8CurrentScaling):
+        # the FP8 GEMMs read only the rowwise bytes (the transpose is made in the GEMM call)
+        return Float8CurrentScalingQuantizer(fp8_dtype, columnwise=False,
+                                             force_pow_2_scales=recipe.use_power_2_scales,
+                                             amax_epsilon=recipe.amax_epsilon)
+    if isinstance(recipe, DelayedScaling):
+        if weight is None:
+            raise ValueError("weight_quantizer: delayed scaling needs the weight parameter (its scale "
+                             "is the compiled graph's state for that parameter)")
+        state = state_for(weight, recipe.amax_history_len, "quantized_model_init")
+        scale = state.roles["weight"].scale
+        return Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
+    # block formats: both copies (MXFP8's columnwise blocks cannot be derived from the rowwise ones)
+    return quantizer_factory(recipe)("weight")
+
+
+def _eligible(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
+    weight = linear.weight
+    if weight.dtype not in FLOAT_DTYPES:
+        return f"dtype {weight.dtype} (needs one of {FLOAT_DTYPES})"
+    multiple, why = gemm_alignment(recipe)
+    n, k = weight.shape
+    if n % multiple or k % multiple:
+        return f"shape {tuple(weight.shape)}: {why}"
+    return None
+
+
+def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
+    """Replace ``linear.weight`` by a quantized parameter holding the same values."""
+    why = _eligible(linear, spec.recipe)
+    if why is not None:
+        log.info("quantized_model_init: %s stays in high precision: %s", type(linear).__name__, why)
+        return
+    hp = linear.weight.detach()
+    requires_grad = linear.weight.requires_grad
+    if isinstance(spec.recipe, DelayedScaling):
+        # The state is keyed by the final parameter; quantize with the initial scale first, then
+        # attach the quantizer that reads the graph's scale for this parameter.
+        placeholder = Float8Quantizer(torch.ones(1, device=hp.device), torch.zeros(1, device=hp.device),
+                                      spec.recipe.fp8_format.dtype_for("weight"), columnwise=False)
+        param = nn.Parameter(placeholder.quantize(hp), requires_grad=requires_grad)
+        param._quantizer = weight_quantizer(spec.recipe, param)
+        param._quantizer.update_quantized(hp, param)
+        param._amax = tensor_amax(hp).reshape(1).to(torch.float32)
+    else:
+        quantizer = weight_quantizer(spec.recipe)
+        param = nn.Parameter(quantizer.quantize(hp), requires_grad=requires_grad)
+        param._quantizer = quantizer
+    if spec.keep_init_val and hp.device.type != "meta":
+        param._hp_init = [hp.to("cpu", copy=True)]
+    linear.weight = param
+
+
+def _linear_init(self, *args, **kwargs):
+    _ORIGINAL_LINEAR_INIT(self, *args, **kwargs)
+    spec = _STACK[-1] if _STACK else None
+    if spec is not None:
+        _quantize_linear(self, spec)
+
+
+@contextlib.contextmanager
+def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
+                         preserve_high_precision_init_val: bool = False) -> Iterator[None]:
+    """Build ``nn.Linear`` weights as quantized parameters (FP8 primary weights) inside the block.
+
+    recipe: the recipe whose weight format to use; None takes the recipe of the config the te backend
+    would resolve (``te_compile.toml``, ``TE_COMPILE_CONFIG``, ...). The te backend must run the same
+    recipe on these linears, or it dequantizes the weight first (the report says so).
+    preserve_high_precision_init_val: keep each weight's initial values on the CPU
+    (``get_high_precision_init_val()``), to initialize fp32 master weights from.
+    enabled=False: build high-precision weights (also inside an enabled block).
+    """
+    spec = None
+    if enabled:
+        if recipe is None:
+            recipe = resolve_config().recipe
+            if recipe is None:
+                raise ValueError("quantized_model_init: the resolved config runs in high precision "
+                                 "(recipe = none); pass a recipe")
+        spec = _Init(_check_recipe(recipe), bool(preserve_high_precision_init_val))
+    _STACK.append(spec)
+    nn.Linear.__init__ = _linear_init
+    try:
+        yield
+    finally:
+        _STACK.pop()
+        if not _STACK:
+            nn.Linear.__init__ = _ORIGINAL_LINEAR_INIT
