@@ -11,6 +11,7 @@ from .config import ConfigError, TeConfig, load_config
 from .report import Report, SiteRecord, report, reset
 from .state import load_recipe_state_dict, recipe_state_dict
 from .fsdp import enable_fp8_all_gather
+from .primary_weights import quantized_model_init
 from .hardware import (
     get_device_compute_capability,
     is_bf16_available,
@@ -52,6 +53,9 @@ __all__ = [
     "load_recipe_state_dict",
     # FSDP2: all-gather the weights of FP8 linears as FP8 (call before fully_shard)
     "enable_fp8_all_gather",
+    # FP8 primary weights: nn.Linear weights built quantized (te_compile.tensor.utils has the
+    # master-weight cast for the optimizer)
+    "quantized_model_init",
     # recipes (te_compile.recipe holds the classes)
     "recipe",
     # quantization core, usable eagerly

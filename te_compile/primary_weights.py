@@ -39,6 +39,7 @@ from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 from .scaling import tensor_amax
 from .state import state_for
+from .tensor.block_scaled_tensor import BlockScaledTensor
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
 from .tensor.quantized_tensor import Quantizer
 
@@ -97,8 +98,13 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None) -> Q
         state = state_for(weight, recipe.amax_history_len, "quantized_model_init")
         scale = state.roles["weight"].scale
         return Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
-    # block formats: both copies (MXFP8's columnwise blocks cannot be derived from the rowwise ones)
-    return quantizer_factory(recipe)("weight")
+    quantizer = quantizer_factory(recipe)("weight")
+    if isinstance(recipe, Float8BlockScaling):
+        # 128x128 tiles: the columnwise copy is the transpose of the rowwise one, derived where a
+        # GEMM needs it, so the master-weight cast and a ZeRO all-gather move only the rowwise bytes
+        quantizer.set_usage(columnwise=False)
+    # MXFP8 keeps both copies: its columnwise blocks cannot be derived from the rowwise ones
+    return quantizer
 
 
 def _eligible(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
@@ -131,7 +137,12 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
         param._amax = tensor_amax(hp).reshape(1).to(torch.float32)
     else:
         quantizer = weight_quantizer(spec.recipe)
-        param = nn.Parameter(quantizer.quantize(hp), requires_grad=requires_grad)
+        value = quantizer.quantize(hp)
+        if isinstance(value, BlockScaledTensor):
+            # contiguous buffers (the reference quantizer slices ragged tiles off a padded buffer):
+            # the master-weight cast and a ZeRO all-gather address them as flat byte ranges
+            value = value._map_buffers(torch.Tensor.contiguous)
+        param = nn.Parameter(value, requires_grad=requires_grad)
         param._quantizer = quantizer
     if spec.keep_init_val and hp.device.type != "meta":
         param._hp_init = [hp.to("cpu", copy=True)]

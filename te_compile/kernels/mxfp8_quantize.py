@@ -23,7 +23,8 @@ from ._fp_bits import HAS_TRITON, use_triton
 from ._launch import launch_row_tiles, require_triton
 from ..scaling import fp8_max
 
-__all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton"]
+__all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton",
+           "mxfp8_block_amax", "mxfp8_codes", "mxfp8_cast"]
 
 MXFP8_BLOCK = 32
 
@@ -105,24 +106,32 @@ def _validate(x: torch.Tensor, fp8_dtype: torch.dtype) -> float:
     return limit
 
 
-def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain-torch MXFP8 quantize of x: [M, K] -> (data: uint8 [M, K] fp8 bytes, scale: uint8
-    [M, ceil(K/32)] E8M0 codes). Traceable (no host sync, no branches on values): compiled graphs run it."""
-    limit = _validate(x, fp8_dtype)
+def mxfp8_block_amax(x: torch.Tensor) -> torch.Tensor:
+    """fp32 [M, ceil(K/32)] amax of each 1x32 block of x: [M, K] (NaN counts as inf)."""
     m, k = x.shape
     n_blocks = -(-k // MXFP8_BLOCK)
     # padded: [M, n_blocks, 32]; the zero padding of a ragged last block does not change its amax
     padded = F.pad(x.to(torch.float32), (0, n_blocks * MXFP8_BLOCK - k)).reshape(m, n_blocks, MXFP8_BLOCK)
     mag = padded.abs()
-    amax = torch.where(torch.isnan(mag), torch.full_like(mag, float("inf")), mag).amax(dim=-1)
+    return torch.where(torch.isnan(mag), torch.full_like(mag, float("inf")), mag).amax(dim=-1)
+
+
+def mxfp8_codes(amax: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """int32 E8M0 codes (the module docstring's rule) of blocks with fp32 ``amax`` (any shape)."""
+    limit = fp8_max(fp8_dtype)
     # true IEEE division (a Python scalar divisor may become a reciprocal multiply, DESIGN.md §6)
-    val = torch.div(amax, torch.full_like(amax, limit))  # [M, n_blocks]
+    val = torch.div(amax, torch.full_like(amax, limit))
     bits = val.view(torch.int32)
     exp = (bits >> 23) & 0xFF
     man = bits & 0x7FFFFF
     round_up = (man > 0) & (exp != 0xFE) & ~((exp == 0) & (man <= 0x400000))
-    code = torch.where(exp == 0xFF, torch.full_like(exp, 255), exp + round_up.to(torch.int32))
+    return torch.where(exp == 0xFF, torch.full_like(exp, 255), exp + round_up.to(torch.int32))
 
+
+def mxfp8_cast(x: torch.Tensor, code: torch.Tensor, fp8_dtype: torch.dtype) -> torch.Tensor:
+    """uint8 fp8 bytes [M, K] of x: [M, K] scaled by the int32 codes [M, ceil(K/32)] of its blocks."""
+    limit = fp8_max(fp8_dtype)
+    k = x.shape[1]
     inv_scale = ((254 - code) << 23).view(torch.float32)  # 2^(127 - code); garbage for code 255
     # per-element [M, K] block values by gather. Expanding to [M, n_blocks * 32] and slicing to K
     # instead miscompiles in inductor (torch 2.13 CPU leaves the ragged tail of the output unwritten).
@@ -131,8 +140,17 @@ def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[t
     nan_block = (code == 255)[:, block_of_col]
     data = (x.to(torch.float32) * inv_scale).clamp(-limit, limit).to(fp8_dtype).view(torch.uint8)
     # NaN blocks get the positive NaN byte directly: a NaN's sign does not survive inductor's clamp+cast
-    data = torch.where(nan_block, torch.full_like(data, _FP8_NAN), data)
-    return data, code.to(torch.uint8)
+    return torch.where(nan_block, torch.full_like(data, _FP8_NAN), data)
+
+
+def mxfp8_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain-torch MXFP8 quantize of x: [M, K] -> (data: uint8 [M, K] fp8 bytes, scale: uint8
+    [M, ceil(K/32)] E8M0 codes). Traceable (no host sync, no branches on values): compiled graphs run
+    it. Its three steps are public so that a ZeRO shard can be cast with block amaxes all-reduced
+    across ranks (te_compile.tensor.utils.cast_master_weights_to_fp8)."""
+    _validate(x, fp8_dtype)
+    code = mxfp8_codes(mxfp8_block_amax(x), fp8_dtype)
+    return mxfp8_cast(x, code, fp8_dtype), code.to(torch.uint8)
 
 
 def mxfp8_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
