@@ -97,7 +97,11 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None) -> Q
                              "is the compiled graph's state for that parameter)")
         state = state_for(weight, recipe.amax_history_len, "quantized_model_init")
         scale = state.roles["weight"].scale
-        return Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
+        quantizer = Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
+        # travels with the weight's copies (views, FSDP2 shards and gathers keep the quantizer):
+        # te_compile.state finds this state for them
+        quantizer.linear_state = state
+        return quantizer
     quantizer = quantizer_factory(recipe)("weight")
     if isinstance(recipe, Float8BlockScaling):
         # 128x128 tiles: the columnwise copy is the transpose of the rowwise one, derived where a

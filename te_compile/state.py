@@ -59,9 +59,14 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
     """The state of ``weight``, created on first use. ``where`` names the site for errors."""
     state = _STATES.get(weight)
     if state is None:
-        state = LinearState(history_len, weight.device)
+        # An FP8 primary weight's quantizer carries the state of the parameter it was made for
+        # (primary_weights.py), so a copy of that weight, such as FSDP2's unsharded parameter,
+        # shares it: the scale the master-weight cast quantizes with is the one the graph updates.
+        state = getattr(getattr(weight, "_quantizer", None), "linear_state", None)
+        if state is None:
+            state = LinearState(history_len, weight.device)
         _STATES[weight] = state
-    elif state.history_len != history_len:
+    if state.history_len != history_len:
         raise ValueError(
             f"{where}: the recipe asks for amax_history_len={history_len}, but this weight already "
             f"has state of length {state.history_len} (loaded or compiled earlier with another recipe)"

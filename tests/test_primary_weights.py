@@ -406,3 +406,108 @@ def test_ddp_trains_fp8_primary_weights_like_on_the_fly_weights(tmp_path):
         # DDP averaged the gradients: both ranks hold the same weights
         for a, b in zip(r0[name]["bytes"], r1[name]["bytes"]):
             assert_bitwise_equal(a, b, name)
+
+
+# ---- FSDP2 -------------------------------------------------------------------------------------------
+
+class _Layer(nn.Module):
+    """One linear (+ GELU) with a user-defined forward, the unit FSDP2 shards and Dynamo compiles
+    (Dynamo does not compile the forward frame of torch's own nn.Linear)."""
+
+    def __init__(self, k: int, n: int, act: bool = True) -> None:
+        super().__init__()
+        self.linear = nn.Linear(k, n, bias=False)
+        self.act = act
+
+    def forward(self, x):
+        y = self.linear(x)
+        return nn.functional.gelu(y) if self.act else y
+
+
+class _Layers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([_Layer(64, 96), _Layer(96, 160), _Layer(160, 64, act=False)])
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fsdp_rank(rank: int, name: str) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    recipe, _ = RECIPES[name]
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        fp8 = _Layers()
+    ref = _Layers()
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), fp8.parameters()):
+            a.copy_(b.get_high_precision_init_val())
+    # the master shard of each weight: the rows FSDP2 gives this rank (dim-0 chunks)
+    masters, starts = [], []
+    for p in fp8.parameters():
+        rows = p.get_high_precision_init_val().chunk(world)[rank]
+        masters.append(rows.reshape(-1).clone())
+        starts.append(rank * -(-p.shape[0] // world) * p.shape[1])
+    # torchtitan's layout: each layer sharded and compiled on its own (FSDP2's hooks break the graph
+    # of the root's forward between layers), the root sharded too
+    options = {"recipe": name, "compiler": "aot_eager"}
+    for model in (ref, fp8):
+        for layer in model.layers:
+            fully_shard(layer)
+            layer.compile(backend=te_compile.backend(**options))
+        fully_shard(model)
+    gathered = []
+    patched = dist.all_gather_single   # what FSDP2 all-gathers with (torch 2.13)
+
+    def counting(output, input, *args, **kwargs):
+        gathered.append(input.dtype)
+        return patched(output, input, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    models = (ref, fp8)
+    te_compile.reset()
+    losses = []
+    try:
+        for step in range(4):
+            gen = torch.Generator().manual_seed(100 * step + rank)
+            x, target = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
+            pair = []
+            for model in models:
+                gathered.clear()
+                loss = nn.functional.mse_loss(model(x), target)
+                loss.backward()
+                pair.append(loss.detach())
+            fp8_gather_dtypes = set(gathered)
+            losses.append(pair)
+            with torch.no_grad():
+                for p in ref.parameters():
+                    p -= 0.5 * p.grad
+                    p.grad = None
+                params = list(fp8.parameters())
+                for p, master in zip(params, masters):
+                    master -= 0.5 * p.grad.to_local().reshape(-1)
+                    p.grad = None
+                cast_master_weights_to_fp8(params, masters, start_offsets=starts, amax_reduce_group=dist.group.WORLD,
+                                           fsdp_shard_model_weights=[p.to_local() for p in params])
+    finally:
+        dist.all_gather_single = patched
+    used = [r.reason for r in te_compile.report().sites if r.op == "linear"]
+    return {"losses": losses, "gather_dtypes": fp8_gather_dtypes, "reasons": used,
+            "shard_type": type(next(fp8.parameters()).to_local())}
+
+
+@pytest.mark.parametrize("name", ["Float8CurrentScaling", "DelayedScaling"])
+def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("needs torch.distributed with gloo")
+    for rank, result in enumerate(run_ranks(_fsdp_rank, tmp_path, name)):
+        assert result["shard_type"] is Float8Tensor
+        assert result["gather_dtypes"] == {torch.uint8}, result["gather_dtypes"]
+        assert sum("used as is" in r for r in result["reasons"]) >= 3, result["reasons"]
+        for step, (ref, fp8) in enumerate(result["losses"]):
+            assert_bitwise_equal(ref, fp8, f"{name} rank {rank} step {step}")

@@ -10,6 +10,7 @@ Float8Tensor holds the FP8 data behind a high-precision tensor interface, in the
 - ``_amax``: fp32 [1] or None, the amax of the high-precision values the bytes were quantized from.
   Only FP8 primary weights under delayed scaling keep it (te_compile/primary_weights.py): the amax
   history wants that amax, not the one of the rounded bytes. Re-quantizing in place refreshes it.
+  Views share it (it describes the whole weight: FSDP2's shards of a weight are views).
 
 Quantizers (kept beside the tensor, as TransformerEngine's ``tensor/float8_tensor.py`` does):
 - ``Float8Quantizer``: delayed scaling, quantizes with a given scale and accumulates the amax.
@@ -192,8 +193,7 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
 
     def _like(self, data, *, scale_inv=None, dtype=None, data_transpose=None, requires_grad=False,
               amax=None):
-        """A Float8Tensor sharing this one's format with new buffers. ``amax`` only where the result
-        holds all of this tensor's values (a detach or a copy, not a slice)."""
+        """A Float8Tensor sharing this one's format with new buffers."""
         return Float8Tensor(
             data=data,
             scale_inv=self._scale_inv if scale_inv is None else scale_inv,
@@ -233,6 +233,38 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
             self._data.clone(), scale_inv=self._scale_inv.clone(), data_transpose=clone(self._transpose),
             requires_grad=self.requires_grad, amax=clone(self._amax),
         )
+
+    # ---- FSDP2 all-gather extension (an FP8 primary weight sharded by fully_shard) ----------------
+    # The shard's bytes are gathered as they are (uint8, one byte per element); the scale is the
+    # whole weight's, the same on every shard (cast_master_weights_to_fp8 all-reduces the amax).
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """(the shard's bytes padded to FSDP's padded shard rows,), (scale_inv, fp8 dtype, amax)."""
+        if tuple(self.shape[1:]) != tuple(orig_size[1:]):
+            raise RuntimeError(f"FP8 all-gather needs the weight sharded on dim 0 (rows); shard "
+                               f"{list(self.shape)} of {list(orig_size)}")
+        data = self._rowwise_data()
+        rows = -(-orig_size[0] // mesh.size()) if len(orig_size) else 0
+        if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
+            padded = data.new_zeros((rows, *data.shape[1:]))
+            padded[: data.shape[0]].copy_(data)
+            data = padded
+        return (data,), (self._scale_inv, self._fp8_dtype, self._amax)
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
+        (data,), (scale_inv, fp8_dtype, amax) = all_gather_outputs, metadata
+        if out is not None:
+            # FSDP re-fills the same buffer each step: only the scale (and amax) are new. A compiled
+            # forward may have saved them for backward, so the version counters stay put.
+            for dst, src in ((out._scale_inv, scale_inv), (out._amax, amax)):
+                if dst is not None:
+                    with torch.autograd._unsafe_preserve_version_counter(dst):
+                        dst.copy_(src)
+            return None
+        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
+                              amax=None if amax is None else amax.clone(), quantizer=self._quantizer)
+        return weight, (data,)
 
     # torch.compile: the buffers are the inner tensors; the format travels in the context.
     def __tensor_flatten__(self):
@@ -421,13 +453,13 @@ _VIEW_OPS = (
 @implements(Float8Tensor, *_VIEW_OPS)
 def _view_like(func, args, kwargs):
     self = args[0]
-    return self._like(func(self._rowwise_data(), *args[1:], **kwargs))
+    return self._like(func(self._rowwise_data(), *args[1:], **kwargs), amax=self._amax)
 
 
 @implements(Float8Tensor, aten.split.Tensor, aten.split_with_sizes.default, aten.unbind.int)
 def _split_like(func, args, kwargs):
     self = args[0]
-    return [self._like(part) for part in func(self._rowwise_data(), *args[1:], **kwargs)]
+    return [self._like(part, amax=self._amax) for part in func(self._rowwise_data(), *args[1:], **kwargs)]
 
 
 @implements(Float8Tensor, aten.detach.default)
@@ -450,7 +482,8 @@ def _new_float8(self, shape, fill: Optional[int], kwargs) -> Float8Tensor:
     device = kwargs.get("device") or self.device
     maker = torch.zeros if fill == 0 else torch.empty
     data = maker(shape, dtype=torch.uint8, device=device)
-    return self._like(data, scale_inv=self._scale_inv.clone().to(device), dtype=kwargs.get("dtype"))
+    amax = None if self._amax is None else torch.zeros_like(self._amax, device=device)
+    return self._like(data, scale_inv=self._scale_inv.clone().to(device), dtype=kwargs.get("dtype"), amax=amax)
 
 
 @implements(Float8Tensor, aten.new_zeros.default)

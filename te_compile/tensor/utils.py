@@ -104,6 +104,36 @@ def post_all_gather_processing(model_weights) -> None:
 
 # ---- cast_master_weights_to_fp8 ---------------------------------------------------------------------
 
+def _is_dtensor(t) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+class _Logical:
+    """An FSDP2-sharded per-tensor FP8 weight as the cast sees it: the whole weight's shape and numel,
+    the local shard's (whole-weight) scale and amax."""
+
+    def __init__(self, dtensor) -> None:
+        local = dtensor._local_tensor
+        if not isinstance(local, Float8Tensor):
+            raise ValueError(f"cast_master_weights_to_fp8: a sharded weight must hold a Float8Tensor shard, "
+                             f"got {type(local).__name__}")
+        self.shape, self.dtype, self.device = dtensor.shape, local.dtype, local.device
+        self._local = local
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def __getattr__(self, name):   # _scale_inv, _amax, _data, _fp8_dtype, _transpose of the shard
+        return getattr(self.__dict__["_local"], name)
+
+    def __setattr__(self, name, value):
+        if name in ("shape", "dtype", "device", "_local"):
+            object.__setattr__(self, name, value)
+        else:
+            setattr(self._local, name, value)
+
 class _Item:
     """One weight's share of the cast: its master range (flat, in the weight's dtype) or None."""
 
@@ -239,6 +269,8 @@ class _MXFP8:
 
 
 def _kind(weight, quantizer, i: int):
+    if isinstance(weight, _Logical) and isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8Quantizer)):
+        return _PerTensor
     if isinstance(weight, Float8Tensor) and isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8Quantizer)):
         if weight._data is None:
             raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] has no rowwise bytes")
@@ -296,6 +328,14 @@ def cast_master_weights_to_fp8(
     items, kinds = [], []
     for i, (weight, master, quantizer, start, dest) in enumerate(
             zip(model_weights, master_weights, quantizers, start_offsets, dests)):
+        if _is_dtensor(weight):
+            # an FSDP2-sharded weight: the scales live in the local shard (the same on every rank),
+            # the bytes go to the shard passed in fsdp_shard_model_weights
+            if dest is None:
+                raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] is sharded (a DTensor); "
+                                 f"pass its local shard in fsdp_shard_model_weights")
+            quantizer = quantizer if quantizer is not None else getattr(weight._local_tensor, "_quantizer", None)
+            weight = _Logical(weight)
         if quantizer is None:
             raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] has no quantizer (not made by "
                              f"quantized_model_init); pass quantizers=")
@@ -312,7 +352,7 @@ def cast_master_weights_to_fp8(
             if master is None or dest.numel() != master.numel():
                 raise ValueError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] must hold the "
                                  f"same elements as master_weights[{i}]")
-        if isinstance(weight, QuantizedTensor):
+        if isinstance(weight, (QuantizedTensor, _Logical)):
             weight.clear_high_precision_init_val()
         items.append(_Item(weight, master, start or 0, quantizer, dest))
         kinds.append(kind)
