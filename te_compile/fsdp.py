@@ -2,8 +2,8 @@
 
 Without this, FSDP2 all-gathers each weight in high precision and the te backend quantizes the
 gathered weight inside the compiled graph. ``enable_fp8_all_gather(model)``, called once before
-``fully_shard``, wraps the weights of the linears the config puts under Float8CurrentScaling in
-``Fp8AllGatherWeight``: a tensor subclass around the fp32 master shard that implements FSDP2's
+``fully_shard``, wraps the weights of the linears the config puts under per-tensor FP8
+(Float8CurrentScaling, DelayedScaling) in ``Fp8AllGatherWeight``: a tensor subclass around the fp32 master shard that implements FSDP2's
 all-gather extension points. Per all-gather:
 
 - ``fsdp_pre_all_gather`` casts the local shard (in the mixed-precision ``param_dtype``) to FP8 with
@@ -24,6 +24,12 @@ collectives line up. No extra call per step is needed.
 
 Uneven shards and ranks holding empty shards work: the bytes are padded to FSDP's padded shard size,
 and an empty shard's amax is 0.
+
+Delayed scaling: the shard is cast with the scale the compiled graph keeps for the weight. The slot
+holds that state (te_compile.state, made for the original parameter) and the gathered Float8Tensor
+carries it in its quantizer (``linear_state``), so the graph, keyed by FSDP's unsharded parameter,
+updates the very scale the next all-gather casts with; the whole weight's amax rides along
+(``Float8Tensor._amax``) for the amax history, as the high-precision weight's own amax would.
 """
 
 from __future__ import annotations
@@ -39,9 +45,10 @@ import torch.utils._pytree as pytree
 from .config import TeConfig, config_argument
 from .lowerings.fp8_linear import _quantize_per_tensor
 from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
-from .recipe import Float8CurrentScaling
+from .recipe import DelayedScaling, Float8CurrentScaling
 from .scaling import tensor_amax
-from .tensor.float8_tensor import Float8Tensor
+from .state import state_for
+from .tensor.float8_tensor import Float8Quantizer, Float8Tensor
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
@@ -61,10 +68,18 @@ _KEEP_WRAPPED = {
 class _Slot:
     """One wrapped weight: where it lives, its recipe, and its last whole-weight amax (fp32 [1])."""
 
-    def __init__(self, module: nn.Module, name: str, fqn: str, recipe: Float8CurrentScaling) -> None:
+    def __init__(self, module: nn.Module, name: str, fqn: str, recipe) -> None:
         self.module, self.name, self.fqn, self.recipe = module, name, fqn, recipe
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
+        # delayed scaling: the weight's state, and a quantizer carrying it to the gathered weight
+        self.quantizer: Optional[Float8Quantizer] = None
+        if isinstance(recipe, DelayedScaling):
+            weight = getattr(module, name)
+            state = state_for(weight, recipe.amax_history_len, fqn)
+            self.quantizer = Float8Quantizer(state.roles["weight"].scale, torch.zeros(1, device=weight.device),
+                                             recipe.fp8_format.dtype_for("weight"), columnwise=False)
+            self.quantizer.linear_state = state
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
         """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right
@@ -171,7 +186,7 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """The local shard as FP8 bytes [ceil(rows / world), ...] (FSDP's padded shard size) and,
-        as metadata, the whole weight's scale_inv [1]."""
+        as metadata, the whole weight's scale_inv [1] and amax [1] and the slot's quantizer."""
         slot = self._book.slots[self._slot]
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
             raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
@@ -182,18 +197,19 @@ class Fp8AllGatherWeight(torch.Tensor):
         amax = self._book.amax(self._slot, self, mesh).to(dtype).float()
         # the lowering's own quantization of a weight, with the whole weight's amax: the bytes one
         # process quantizing the unsharded weight would make
-        data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, amax=amax)
+        scale = None if slot.quantizer is None else slot.quantizer.scale   # delayed: the graph's scale
+        data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, scale, amax)
         data = data.view(torch.uint8)
         rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
         if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
             padded = data.new_zeros((rows, *data.shape[1:]))
             padded[: data.shape[0]].copy_(data)
             data = padded
-        return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"))
+        return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"), amax, slot.quantizer)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
-        (data,), (scale_inv, fp8_dtype) = all_gather_outputs, metadata
+        (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
         if out is not None:
             # FSDP re-fills the same all-gather buffer every step, so ``out`` already views the new
             # bytes; only the scale is new. The version counter stays put: a compiled forward may
@@ -202,10 +218,14 @@ class Fp8AllGatherWeight(torch.Tensor):
             if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
                 raise RuntimeError("FSDP2 re-gathered an FP8 weight into a new buffer; expected the "
                                    "buffer of the first all-gather")
-            with torch.autograd._unsafe_preserve_version_counter(out._scale_inv):
-                out._scale_inv.copy_(scale_inv)
+            for dst, src in ((out._scale_inv, scale_inv), (out._amax, amax)):
+                if dst is not None:
+                    with torch.autograd._unsafe_preserve_version_counter(dst):
+                        dst.copy_(src)
             return None
-        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype)
+        # delayed scaling's weight carries its amax for the graph's history (current scaling: none)
+        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
+                              amax=None if quantizer is None else amax.clone(), quantizer=quantizer)
         return weight, (data,)
 
 
@@ -219,9 +239,9 @@ def _linear_weights(model: nn.Module, config: TeConfig):
         recipe, _ = config.recipe_for(fqn)
         if not config.rewrite.linear:
             skipped[fqn] = "[rewrite] linear = false"
-        elif not isinstance(recipe, Float8CurrentScaling):
+        elif not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
             name = recipe.name if recipe is not None else "none"
-            skipped[fqn] = f"recipe {name}: FP8 all-gather supports Float8CurrentScaling"
+            skipped[fqn] = f"recipe {name}: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
         elif isinstance(module.weight, Fp8AllGatherWeight):
             skipped[fqn] = "already wrapped"
         elif module.weight.dtype not in FLOAT_DTYPES:
@@ -242,7 +262,8 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
 
     ``config``/``options``: as for ``te_compile.backend`` (a TOML path or TeConfig, inline keys;
     default: the config ``torch.compile(..., backend="te")`` would resolve). Linears whose recipe is
-    Float8CurrentScaling get their weight wrapped; others keep high-precision all-gathers.
+    Float8CurrentScaling or DelayedScaling get their weight wrapped; others keep high-precision
+    all-gathers.
     Returns {linear fqn: what happened}, e.g. ``{"layers.0.mlp.up": "FP8 all-gather", "lm_head":
     "recipe none: ..."}``.
     """

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_avai
 WORLD = 3
 STEPS = 5
 OPTIONS = {"recipe": "Float8CurrentScaling", "compiler": "aot_eager"}
+DELAYED = {"recipe": "DelayedScaling", "amax_history_len": 4, "compiler": "aot_eager"}
 
 
 class Block(nn.Module):
@@ -82,18 +83,18 @@ def _reference_losses() -> list[float]:
     return losses
 
 
-def _fsdp_model(fp8: bool = True, mp_policy=None, seed: int = 0):
+def _fsdp_model(fp8: bool = True, mp_policy=None, seed: int = 0, options=OPTIONS):
     """(model, compiled) with fully_shard per block and on the root, the torchtitan layout."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     torch.manual_seed(seed)
     model = Net()
-    outcome = enable_fp8_all_gather(model, **OPTIONS) if fp8 else None
+    outcome = enable_fp8_all_gather(model, **options) if fp8 else None
     policy = mp_policy or MixedPrecisionPolicy()
     for block in (model.block0, model.block1):
         fully_shard(block, mp_policy=policy)
     fully_shard(model, mp_policy=policy)
-    return model, torch.compile(model, backend="te", options=OPTIONS), outcome
+    return model, torch.compile(model, backend="te", options=options), outcome
 
 
 def _train(model, compiled, opt, rank: int, steps: range) -> list[float]:
@@ -158,12 +159,23 @@ def _fsdp_worker(rank: int, checkpoint_dir: str) -> dict:
     for fp8 in (True, False):
         m, c, _ = _fsdp_model(fp8, policy)
         mixed.append(_train(m, c, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, range(3)))
+
+    # delayed scaling: the shards cast with the graph's scale give the bytes the graph would make of
+    # the gathered high-precision weight, and the same amaxes enter the history
+    delayed = []
+    for fp8 in (True, False):
+        torch._dynamo.reset()   # this worker compiled Net many times: stay under the recompile limit
+        m, c, dl_outcome = _fsdp_model(fp8, options=DELAYED)
+        delayed.append(_train(m, c, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, range(4)))
+        if fp8:
+            delayed_outcome = dl_outcome
     return {
         "losses": losses, "outcome": outcome, "bytes_per_step": per_step,
         "dtypes": {str(d) for _, d in gathered}, "refreshes": refreshes,
         "report": report, "unsharded_head": [c.__name__ for c in unsharded],
         "shard_rows": {n: p.to_local().shape[0] for n, p in model.named_parameters() if n.endswith("weight")},
         "same_weights": same_weights, "after_load": after_load, "mixed": mixed,
+        "delayed": delayed, "delayed_outcome": delayed_outcome,
     }
 
 
@@ -224,6 +236,14 @@ def test_fsdp_mixed_precision_fp8_gather_equals_high_precision_gather(fsdp_resul
     assert fp8 == high
 
 
+def test_fsdp_delayed_scaling_fp8_gather_equals_high_precision_gather(fsdp_results):
+    assert fsdp_results[0]["delayed_outcome"]["block0.up"] == "FP8 all-gather"
+    for result in fsdp_results:
+        fp8, high = result["delayed"]
+        assert fp8 == high
+        assert len(set(fp8)) == len(fp8), "training moved"
+
+
 def test_fsdp_report_and_unsharded_weight(fsdp_results):
     result = fsdp_results[0]
     assert "Float8Tensor" in result["unsharded_head"]
@@ -254,7 +274,7 @@ def test_pre_all_gather_pads_to_fsdp_shard_size(monkeypatch, rows, world, local)
     monkeypatch.setattr(_ScaleBook, "amax", lambda self, slot, shard, mesh: amax)
     shard = torch.randn(local, 32) * 2
     wrapped = Fp8AllGatherWeight(shard, book, 0)
-    (data,), (scale_inv, fp8_dtype) = wrapped.fsdp_pre_all_gather(
+    (data,), (scale_inv, fp8_dtype, _, _) = wrapped.fsdp_pre_all_gather(
         _Mesh(world), torch.Size([rows, 32]), (32, 1), None, SimpleNamespace(param_dtype=None))
     assert data.dtype == torch.uint8 and data.shape == (math.ceil(rows / world), 32)
     scale = compute_scale(amax, torch.float8_e4m3fn)
@@ -268,14 +288,13 @@ def test_post_all_gather_builds_then_refills_float8_tensor():
     book.slots.append(_Slot(None, "weight", "w", Float8CurrentScaling()))
     wrapped = Fp8AllGatherWeight(torch.zeros(2, 16), book, 0)
     gathered = torch.randint(0, 100, (4, 16), dtype=torch.uint8)
-    weight, inner = wrapped.fsdp_post_all_gather((gathered,), (torch.tensor([0.5]), torch.float8_e4m3fn),
-                                                 torch.bfloat16)
+    meta = lambda scale_inv: (torch.tensor([scale_inv]), torch.float8_e4m3fn, torch.ones(1), None)  # noqa: E731
+    weight, inner = wrapped.fsdp_post_all_gather((gathered,), meta(0.5), torch.bfloat16)
     assert isinstance(weight, Float8Tensor) and weight.dtype == torch.bfloat16 and inner == (gathered,)
     assert weight._data.data_ptr() == gathered.data_ptr()
     version = weight._scale_inv._version
     gathered.copy_(gathered + 1)     # FSDP re-fills the same buffer in the next step
-    assert wrapped.fsdp_post_all_gather((gathered,), (torch.tensor([0.25]), torch.float8_e4m3fn),
-                                        torch.bfloat16, out=weight) is None
+    assert wrapped.fsdp_post_all_gather((gathered,), meta(0.25), torch.bfloat16, out=weight) is None
     assert weight._scale_inv.item() == 0.25 and weight._scale_inv._version == version
     assert torch.equal(weight._data, gathered)
 
@@ -304,8 +323,8 @@ def test_enable_fp8_all_gather_follows_the_config():
     outcome = enable_fp8_all_gather(model, recipe="Float8CurrentScaling", overrides=[
         {"modules": "head", "recipe": "none"}, {"modules": "block1.*", "recipe": "MXFP8BlockScaling"}])
     assert outcome["block0.up"] == outcome["block0.down"] == "FP8 all-gather"
-    assert outcome["head"] == "recipe none: FP8 all-gather supports Float8CurrentScaling"
-    assert outcome["block1.up"] == "recipe MXFP8BlockScaling: FP8 all-gather supports Float8CurrentScaling"
+    assert outcome["head"] == "recipe none: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
+    assert outcome["block1.up"] == "recipe MXFP8BlockScaling: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
     assert type(model.head.weight.data) is torch.Tensor and type(model.block1.up.weight.data) is torch.Tensor
     assert enable_fp8_all_gather(Net(), recipe="Float8CurrentScaling", rewrite={"linear": False})["head"] \
         == "[rewrite] linear = false"
