@@ -25,6 +25,14 @@ collectives line up. No extra call per step is needed.
 Uneven shards and ranks holding empty shards work: the bytes are padded to FSDP's padded shard size,
 and an empty shard's amax is 0.
 
+Block formats (MXFP8, Float8 block with 128x128 tiles): when each rank's rows are whole blocks (32
+rows for MXFP8's columnwise copy, 128 for Float8 block's tiles) and the shards even, the shard's
+blocks are the whole weight's, so ``fsdp_pre_all_gather`` quantizes the shard on its own (no amax
+reduction) and gathers every buffer of it (bytes and block scales, both MXFP8 copies; Float8 block's
+rowwise copy only, the columnwise one is its transpose) along dim 0; ``fsdp_post_all_gather`` builds
+the block-scaled tensor over them. Other shapes keep high-precision gathers (the returned dict says
+why).
+
 Delayed scaling: the shard is cast with the scale the compiled graph keeps for the weight. The slot
 holds that state (te_compile.state, made for the original parameter) and the gathered Float8Tensor
 carries it in its quantizer (``linear_state``), so the graph, keyed by FSDP's unsharded parameter,
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -45,7 +54,8 @@ import torch.utils._pytree as pytree
 from .config import TeConfig, config_argument
 from .lowerings.fp8_linear import _quantize_per_tensor
 from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
-from .recipe import DelayedScaling, Float8CurrentScaling
+from .primary_weights import weight_quantizer
+from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
 from .state import state_for
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor
@@ -53,6 +63,9 @@ from .tensor.float8_tensor import Float8Quantizer, Float8Tensor
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
 aten = torch.ops.aten
+
+# Recipes whose weights gather in their block format (the others: per-tensor FP8 or not at all).
+BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
 
 # Ops that make another view or copy of the same weight: their result stays a wrapper, so the
 # shards FSDP2 cuts out of a wrapped parameter (split, new_zeros, slice, copy_, view) keep the
@@ -72,6 +85,8 @@ class _Slot:
         self.module, self.name, self.fqn, self.recipe = module, name, fqn, recipe
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
+        # block formats: the weight quantizer (scales are per block: shards need no amax reduction)
+        self.block_quantizer = weight_quantizer(recipe) if isinstance(recipe, BLOCK_RECIPES) else None
         # delayed scaling: the weight's state, and a quantizer carrying it to the gathered weight
         self.quantizer: Optional[Float8Quantizer] = None
         if isinstance(recipe, DelayedScaling):
@@ -92,6 +107,17 @@ class _Slot:
                 and isinstance(param._local_tensor, Fp8AllGatherWeight)):
             return param
         return None
+
+
+@dataclass(frozen=True)
+class _BlockMeta:
+    """How to rebuild a gathered block-scaled weight: its class, the gathered buffers' names (in
+    order), its format fields (fp8 dtype, ...) and the whole weight's shape."""
+
+    cls: type
+    names: tuple
+    format: dict
+    shape: tuple
 
 
 class _ScaleBook:
@@ -122,7 +148,8 @@ class _ScaleBook:
         """One MAX all-reduce of the shard amaxes of every weight sharded on ``mesh`` now."""
         import torch.distributed as dist
 
-        members = [(slot, param) for slot in self.slots if (param := slot.sharded(mesh)) is not None]
+        members = [(slot, param) for slot in self.slots
+                   if slot.block_quantizer is None and (param := slot.sharded(mesh)) is not None]
         amaxes = torch.cat([tensor_amax(param._local_tensor._tensor) for _, param in members])
         if mesh.size() > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
@@ -192,6 +219,8 @@ class Fp8AllGatherWeight(torch.Tensor):
             raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
                                f"shard {list(self.shape)} of {list(orig_size)}")
         dtype = mp_policy.param_dtype or self.dtype
+        if slot.block_quantizer is not None:
+            return self._block_pre_all_gather(slot, mesh, orig_size, dtype)
         # max|round(x)| = round(max|x|): the fp32 amax rounded to param_dtype is the amax of the
         # weight in param_dtype, so one fp32 all-reduce serves every mixed-precision policy.
         amax = self._book.amax(self._slot, self, mesh).to(dtype).float()
@@ -207,8 +236,30 @@ class Fp8AllGatherWeight(torch.Tensor):
             data = padded
         return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"), amax, slot.quantizer)
 
+    def _block_pre_all_gather(self, slot, mesh, orig_size, dtype):
+        """MXFP8 / Float8 block: the shard quantized on its own (its rows are whole blocks, so its
+        blocks are the whole weight's), every buffer of it gathered along dim 0."""
+        if orig_size[0] % mesh.size() or self.shape[0] != orig_size[0] // mesh.size():
+            raise RuntimeError(f"{slot.fqn}: block-scaled FP8 all-gather needs even shards (FSDP2 pads "
+                               f"uneven ones, which block scales cannot be): {orig_size[0]} rows over "
+                               f"{mesh.size()} ranks")
+        q = slot.block_quantizer.quantize(self._tensor.to(dtype))
+        names = tuple(name for name in q._BUFFERS if getattr(q, name) is not None)
+        meta = _BlockMeta(type(q), names, {name[1:]: getattr(q, name) for name in q._META}, tuple(orig_size))
+        return tuple(getattr(q, name).contiguous() for name in names), meta
+
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
+        """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided); a block-
+        scaled tensor over the gathered buffers."""
+        if isinstance(metadata, _BlockMeta):
+            if out is not None:   # FSDP re-gathered into the buffers ``out`` already views
+                if out._rowwise_data.untyped_storage().data_ptr() != all_gather_outputs[0].untyped_storage().data_ptr():
+                    raise RuntimeError("FSDP2 re-gathered a block-scaled weight into a new buffer; expected "
+                                       "the buffers of the first all-gather")
+                return None
+            fields = {name[1:]: t for name, t in zip(metadata.names, all_gather_outputs)}
+            weight = metadata.cls(shape=metadata.shape, dtype=param_dtype, **fields, **metadata.format)
+            return weight, tuple(all_gather_outputs)
         (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
         if out is not None:
             # FSDP re-fills the same all-gather buffer every step, so ``out`` already views the new
@@ -229,6 +280,24 @@ class Fp8AllGatherWeight(torch.Tensor):
         return weight, (data,)
 
 
+def _block_shard_problem(weight: torch.Tensor, recipe) -> Optional[str]:
+    """Why FSDP2 cannot gather ``weight`` in ``recipe``'s block format, or None. Each rank's rows must
+    be whole blocks (32 rows for MXFP8's columnwise copy, 128 for Float8 block's tiles) and the
+    shards even: FSDP2 pads uneven shards to one size for every gathered buffer."""
+    import torch.distributed as dist
+
+    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
+        return "Float8BlockScaling with 1x128 weight blocks: its columnwise copy cannot be gathered"
+    if not dist.is_initialized():
+        return "block formats need the process group initialized first (to check the shards)"
+    world, block = dist.get_world_size(), 32 if isinstance(recipe, MXFP8BlockScaling) else 128
+    rows = weight.shape[0]
+    if rows % (world * block):
+        return (f"weight {list(weight.shape)}: {rows} rows do not split into whole {block}-row blocks over "
+                f"{world} ranks (FSDP2 pads uneven shards; block scales cannot be padded)")
+    return None
+
+
 def _linear_weights(model: nn.Module, config: TeConfig):
     """(module, fqn, recipe) of the nn.Linear modules whose weight is gathered in FP8, and
     {fqn: why not} for the other linears."""
@@ -239,9 +308,10 @@ def _linear_weights(model: nn.Module, config: TeConfig):
         recipe, _ = config.recipe_for(fqn)
         if not config.rewrite.linear:
             skipped[fqn] = "[rewrite] linear = false"
-        elif not isinstance(recipe, (Float8CurrentScaling, DelayedScaling)):
+        elif not isinstance(recipe, (Float8CurrentScaling, DelayedScaling, *BLOCK_RECIPES)):
             name = recipe.name if recipe is not None else "none"
-            skipped[fqn] = f"recipe {name}: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
+            skipped[fqn] = (f"recipe {name}: FP8 all-gather supports Float8CurrentScaling, DelayedScaling, "
+                            f"MXFP8BlockScaling and Float8BlockScaling")
         elif isinstance(module.weight, Fp8AllGatherWeight):
             skipped[fqn] = "already wrapped"
         elif module.weight.dtype not in FLOAT_DTYPES:
@@ -250,6 +320,8 @@ def _linear_weights(model: nn.Module, config: TeConfig):
             # the linear pass leaves such a linear in high precision (its eligibility check);
             # an FP8-gathered weight would only lose precision there
             skipped[fqn] = f"weight {list(module.weight.shape)}: {gemm_alignment(recipe)[1]}"
+        elif isinstance(recipe, BLOCK_RECIPES) and (why := _block_shard_problem(module.weight, recipe)):
+            skipped[fqn] = why
         else:
             chosen.append((module, fqn, recipe))
     return chosen, skipped
@@ -262,8 +334,8 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
 
     ``config``/``options``: as for ``te_compile.backend`` (a TOML path or TeConfig, inline keys;
     default: the config ``torch.compile(..., backend="te")`` would resolve). Linears whose recipe is
-    Float8CurrentScaling or DelayedScaling get their weight wrapped; others keep high-precision
-    all-gathers.
+    Float8CurrentScaling, DelayedScaling, MXFP8BlockScaling or Float8BlockScaling get their weight
+    wrapped (block formats where the shards are whole blocks); others keep high-precision all-gathers.
     Returns {linear fqn: what happened}, e.g. ``{"layers.0.mlp.up": "FP8 all-gather", "lm_head":
     "recipe none: ..."}``.
     """

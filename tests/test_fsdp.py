@@ -318,13 +318,85 @@ def test_wrapper_is_an_ordinary_weight_outside_fsdp():
     assert enable_fp8_all_gather(model, recipe="Float8CurrentScaling")["0"] == "already wrapped"
 
 
+# ---------------------------------------------------------------------------------------------
+# Block formats (MXFP8, Float8 block): shards of whole blocks, every buffer gathered
+
+
+class BlockFormatBlock(nn.Module):
+    """up [h, d] (gathered in the block format: h rows split into whole blocks over 3 ranks) and
+    down [d, h] (d rows do not: gathered in high precision)."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(d, h), nn.Linear(h, d)
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class BlockFormatNet(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.block0, self.block1 = BlockFormatBlock(d, h), BlockFormatBlock(d, h)
+
+    def forward(self, x):
+        return self.block1(self.block0(x)).square().mean()
+
+
+BLOCK_CASES = {"MXFP8BlockScaling": (64, 96), "Float8BlockScaling": (128, 384)}
+
+
+def _block_worker(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for name, (d, h) in BLOCK_CASES.items():
+        options = {"recipe": name, "compiler": "aot_eager"}
+        runs = []
+        for fp8 in (True, False):
+            torch._dynamo.reset()
+            te_compile.reset()
+            torch.manual_seed(0)
+            model = BlockFormatNet(d, h)
+            outcome = enable_fp8_all_gather(model, **options) if fp8 else None
+            for block in (model.block0, model.block1):
+                fully_shard(block)
+            fully_shard(model)
+            compiled = torch.compile(model, backend="te", options=options)
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            losses = []
+            for step in range(3):
+                x = torch.randn(4, 8, d, generator=torch.Generator().manual_seed(10 * step + rank))
+                loss = compiled(x)
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses.append(loss.item())
+            report = {s.fqn: s.reason for s in te_compile.report().sites if s.op == "linear"}
+            runs.append((losses, outcome, report))
+        out[name] = runs
+    return out
+
+
+def test_fsdp_block_formats_gather_whole_blocks(tmp_path):
+    for result in run_ranks(_block_worker, tmp_path, world=WORLD):
+        for name, ((fp8, outcome, report), (high, _, _)) in result.items():
+            assert outcome["block0.up"] == "FP8 all-gather", (name, outcome)
+            assert "do not split into whole" in outcome["block0.down"], (name, outcome)
+            assert "used as is" in report["block1.up"] and "used as is" not in report["block1.down"]
+            # the shard's blocks are the whole weight's: gathering them is quantizing the gathered weight
+            assert fp8 == high, name
+            assert len(set(fp8)) == len(fp8), "training moved"
+
+
 def test_enable_fp8_all_gather_follows_the_config():
     model = Net()
     outcome = enable_fp8_all_gather(model, recipe="Float8CurrentScaling", overrides=[
         {"modules": "head", "recipe": "none"}, {"modules": "block1.*", "recipe": "MXFP8BlockScaling"}])
     assert outcome["block0.up"] == outcome["block0.down"] == "FP8 all-gather"
-    assert outcome["head"] == "recipe none: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
-    assert outcome["block1.up"] == "recipe MXFP8BlockScaling: FP8 all-gather supports Float8CurrentScaling and DelayedScaling"
+    assert outcome["head"].startswith("recipe none: FP8 all-gather supports Float8CurrentScaling, DelayedScaling")
+    # block formats check that the shards are whole blocks, which needs the world size
+    assert outcome["block1.up"] == "block formats need the process group initialized first (to check the shards)"
     assert type(model.head.weight.data) is torch.Tensor and type(model.block1.up.weight.data) is torch.Tensor
     assert enable_fp8_all_gather(Net(), recipe="Float8CurrentScaling", rewrite={"linear": False})["head"] \
         == "[rewrite] linear = false"

@@ -426,15 +426,25 @@ def _unbind(func, args, kwargs):
     return [_cut(self, i, i + 1)._like(shape=self.shape[1:]) for i in range(self.shape[0])]
 
 
+@implements(BlockScaledTensor, aten.as_strided.default)
+def _as_strided(func, args, kwargs):
+    # FSDP2 views the gathered weight with as_strided(orig_size, contiguous stride, offset 0): with
+    # even shards that is the whole tensor, an alias
+    self, size, stride = args[0], args[1], args[2]
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset", 0)
+    if tuple(size) == tuple(self.shape) and tuple(stride) == torch.empty(self.shape, device="meta").stride() \
+            and not offset:
+        return self._like()
+    return _refuse(func, args, kwargs)
+
+
 # Moves that would cross blocks: refuse with a clear message rather than silently dequantize.
 # Transposes (t, transpose, permute) are the exception: they run on the dequantized values and
 # return a plain tensor (a copy, not a view), because F.linear decomposes into ``weight.t()`` before
 # its GEMM, and a block-scaled primary weight (te_compile/primary_weights.py) must run eagerly and
 # under Dynamo's fake-tensor trace of F.linear.
-_LAYOUT_BREAKING = (aten.as_strided.default, aten.expand.default)
-
-
-@implements(BlockScaledTensor, *_LAYOUT_BREAKING)
+# as_strided is refused too, except as the identity view (above).
+@implements(BlockScaledTensor, aten.expand.default)
 def _refuse(func, args, kwargs):
     raise RuntimeError(
         f"{type(args[0]).__name__}: {func} would move elements across scaling blocks; it is not supported "
