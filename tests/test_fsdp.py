@@ -395,8 +395,10 @@ def test_enable_fp8_all_gather_follows_the_config():
         {"modules": "head", "recipe": "none"}, {"modules": "block1.*", "recipe": "MXFP8BlockScaling"}])
     assert outcome["block0.up"] == outcome["block0.down"] == "FP8 all-gather"
     assert outcome["head"].startswith("recipe none: FP8 all-gather supports Float8CurrentScaling, DelayedScaling")
+    assert outcome["block1.up"] == "weight [48, 32]: MXFP8 scales blocks of 32 along K and N"
     # block formats check that the shards are whole blocks, which needs the world size
-    assert outcome["block1.up"] == "block formats need the process group initialized first (to check the shards)"
+    outcome = enable_fp8_all_gather(BlockFormatNet(64, 96), recipe="MXFP8BlockScaling")
+    assert outcome["block0.up"] == "block formats need the process group initialized first (to check the shards)"
     assert type(model.head.weight.data) is torch.Tensor and type(model.block1.up.weight.data) is torch.Tensor
     assert enable_fp8_all_gather(Net(), recipe="Float8CurrentScaling", rewrite={"linear": False})["head"] \
         == "[rewrite] linear = false"
