@@ -511,3 +511,66 @@ def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
         assert sum("used as is" in r for r in result["reasons"]) >= 3, result["reasons"]
         for step, (ref, fp8) in enumerate(result["losses"]):
             assert_bitwise_equal(ref, fp8, f"{name} rank {rank} step {step}")
+
+
+# ---- model code we did not write ---------------------------------------------------------------------
+
+def test_hf_llama_with_fp8_primary_weights_trains_like_on_the_fly_weights():
+    """An unchanged Hugging Face Llama built inside quantized_model_init (its post_init re-initializes
+    the weights in place through .data): 3 steps bitwise equal to fp32 weights quantized on the fly."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                      max_position_embeddings=64)
+    torch.manual_seed(0)
+    with quantized_model_init(recipe=DelayedScaling(), preserve_high_precision_init_val=True):
+        fp8 = transformers.LlamaForCausalLM(config)
+    ref = transformers.LlamaForCausalLM(config)
+    quantized = {n: p for n, p in fp8.named_parameters() if isinstance(p, QuantizedTensor)}
+    assert len(quantized) == 8, sorted(quantized)   # q, k, v, o, gate, up, down, lm_head
+    with torch.no_grad():
+        for (name, a), b in zip(ref.named_parameters(), fp8.parameters()):
+            a.copy_(b.get_high_precision_init_val() if name in quantized else b)
+    masters = [p.get_high_precision_init_val().clone() for p in quantized.values()]
+    options = {"recipe": "DelayedScaling", "compiler": "aot_eager"}
+    models = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    te_compile.reset()
+    for step in range(3):
+        losses = []
+        for model in models:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert_bitwise_equal(losses[0], losses[1], f"step {step}")
+        with torch.no_grad():
+            for name, p in ref.named_parameters():
+                p -= 0.1 * p.grad
+                p.grad = None
+            for name, p in fp8.named_parameters():
+                if name in quantized:
+                    continue
+                p -= 0.1 * p.grad
+                p.grad = None
+            for p, master in zip(quantized.values(), masters):
+                master -= 0.1 * p.grad
+                p.grad = None
+            cast_master_weights_to_fp8(list(quantized.values()), masters)
+    used = [s.reason for s in te_compile.report().sites if s.op == "linear"]
+    assert sum("used as is" in r for r in used) == len(quantized)
+
+
+def test_state_dict_round_trip_of_fp8_primary_weights(tmp_path):
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        model = nn.Linear(64, 32)
+    torch.save(model.state_dict(), tmp_path / "sd.pt")
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        other = nn.Linear(64, 32)
+    other.load_state_dict(torch.load(tmp_path / "sd.pt", weights_only=True))
+    _assert_same_quantized(other.weight, model.weight, "load_state_dict of a Float8Tensor")
+    assert type(other.weight) is Float8Tensor
+    # a high-precision checkpoint loads into an FP8 weight by quantizing it
+    plain = nn.Linear(64, 32)
+    other.load_state_dict(plain.state_dict())
+    _assert_same_quantized(other.weight, weight_quantizer(Float8CurrentScaling()).quantize(plain.weight.detach()),
+                           "load_state_dict of fp32 values")
