@@ -3,8 +3,9 @@
 Without this, FSDP2 all-gathers each weight in high precision and the te backend quantizes the
 gathered weight inside the compiled graph. ``enable_fp8_all_gather(model)``, called once before
 ``fully_shard``, wraps the weights of the linears the config puts under per-tensor FP8
-(Float8CurrentScaling, DelayedScaling) in ``Fp8AllGatherWeight``: a tensor subclass around the fp32 master shard that implements FSDP2's
-all-gather extension points. Per all-gather:
+(Float8CurrentScaling, DelayedScaling; the block formats below) in ``Fp8AllGatherWeight``: a tensor
+subclass around the fp32 master shard that implements FSDP2's all-gather extension points. Per
+all-gather:
 
 - ``fsdp_pre_all_gather`` casts the local shard (in the mixed-precision ``param_dtype``) to FP8 with
   the scale of the *whole* weight and hands FSDP the uint8 bytes: 1 byte per element on the wire
@@ -42,7 +43,6 @@ updates the very scale the next all-gather casts with; the whole weight's amax r
 
 from __future__ import annotations
 
-import math
 import os
 from dataclasses import dataclass
 from typing import Any, Optional, Union
@@ -58,7 +58,7 @@ from .primary_weights import weight_quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
 from .state import state_for
-from .tensor.float8_tensor import Float8Quantizer, Float8Tensor
+from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_padded_shard, fsdp_refill
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
@@ -228,12 +228,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         # process quantizing the unsharded weight would make
         scale = None if slot.quantizer is None else slot.quantizer.scale   # delayed: the graph's scale
         data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, scale, amax)
-        data = data.view(torch.uint8)
-        rows = math.ceil(orig_size[0] / mesh.size()) if len(orig_size) else 0
-        if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
-            padded = data.new_zeros((rows, *data.shape[1:]))
-            padded[: data.shape[0]].copy_(data)
-            data = padded
+        data = fsdp_padded_shard(data.view(torch.uint8), orig_size, mesh.size())
         return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"), amax, slot.quantizer)
 
     def _block_pre_all_gather(self, slot, mesh, orig_size, dtype):
@@ -262,17 +257,7 @@ class Fp8AllGatherWeight(torch.Tensor):
             return weight, tuple(all_gather_outputs)
         (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
         if out is not None:
-            # FSDP re-fills the same all-gather buffer every step, so ``out`` already views the new
-            # bytes; only the scale is new. The version counter stays put: a compiled forward may
-            # have saved this scale for its backward, and the re-gather in backward writes the
-            # same value.
-            if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
-                raise RuntimeError("FSDP2 re-gathered an FP8 weight into a new buffer; expected the "
-                                   "buffer of the first all-gather")
-            for dst, src in ((out._scale_inv, scale_inv), (out._amax, amax)):
-                if dst is not None:
-                    with torch.autograd._unsafe_preserve_version_counter(dst):
-                        dst.copy_(src)
+            fsdp_refill(out, data, scale_inv, amax)
             return None
         # delayed scaling's weight carries its amax for the graph's history (current scaling: none)
         weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,

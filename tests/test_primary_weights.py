@@ -302,17 +302,23 @@ class _Net(nn.Module):
 
 
 
+def _twins(recipe, build) -> tuple[nn.Module, nn.Module]:
+    """(fp32 model, the same model with FP8 primary weights) holding the same initial values."""
+    torch.manual_seed(0)
+    with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        fp8 = build()
+    ref = build()
+    with torch.no_grad():
+        for a, b in zip(ref.parameters(), fp8.parameters()):
+            a.copy_(b.get_high_precision_init_val())
+    return ref, fp8
+
+
 def _parity_rank(rank: int, names) -> dict:
     out = {}
     for name in names:
         recipe, cls = RECIPES[name]
-        torch.manual_seed(0)
-        with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
-            fp8 = _Net()
-        ref = _Net()
-        with torch.no_grad():
-            for a, b in zip(ref.parameters(), fp8.parameters()):
-                a.copy_(b.get_high_precision_init_val())
+        ref, fp8 = _twins(recipe, _Net)
         opts = [MiniZero(list(m.parameters()), lr=0.5) for m in (ref, fp8)]
         options = {"recipe": name, "compiler": "aot_eager"}
         compiled = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
@@ -345,6 +351,20 @@ def test_zero_sharded_master_weights_match_on_the_fly_quantization_bitwise(tmp_p
             assert losses[-1][0] != losses[0][0], name
 
 
+@torch.no_grad()
+def _sgd(lr: float, plain, weights=(), masters=()) -> None:
+    """One SGD step: plain parameters in place, FP8 primary weights through their fp32 masters and
+    cast_master_weights_to_fp8 (whole masters: no amax reduction)."""
+    for p in plain:
+        p -= lr * p.grad
+        p.grad = None
+    for weight, master in zip(weights, masters):
+        master -= lr * weight.grad
+        weight.grad = None
+    if weights:
+        cast_master_weights_to_fp8(list(weights), list(masters))
+
+
 # ---- DDP -----------------------------------------------------------------------------------------------
 
 def _ddp_rank(rank: int, names) -> dict:
@@ -353,13 +373,7 @@ def _ddp_rank(rank: int, names) -> dict:
     out = {}
     for name in names:
         recipe, _ = RECIPES[name]
-        torch.manual_seed(0)
-        with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
-            fp8 = _Net()
-        ref = _Net()
-        with torch.no_grad():
-            for a, b in zip(ref.parameters(), fp8.parameters()):
-                a.copy_(b.get_high_precision_init_val())
+        ref, fp8 = _twins(recipe, _Net)
         masters = [p.get_high_precision_init_val().clone() for p in fp8.parameters()]
         # DDP's initial broadcast flattens each parameter to 1-D, which a block-scaled weight cannot
         # do as a view: those models skip it (every rank built the same weights from the same seed)
@@ -378,15 +392,9 @@ def _ddp_rank(rank: int, names) -> dict:
                 loss.backward()
                 pair.append(loss.detach())
             losses.append(pair)
-            with torch.no_grad():
-                for p in ref.parameters():
-                    p -= 0.5 * p.grad
-                    p.grad = None
-                for p, master in zip(fp8.parameters(), masters):
-                    master -= 0.5 * p.grad
-                    p.grad = None
-                # whole master weights on every rank: no amax reduction needed
-                cast_master_weights_to_fp8(list(fp8.parameters()), masters)
+            _sgd(0.5, ref.parameters())
+            # whole master weights on every rank: no amax reduction needed
+            _sgd(0.5, (), list(fp8.parameters()), masters)
         used = [r.reason for r in te_compile.report().sites if r.op == "linear"]
         out[name] = {"reasons": used, "losses": losses, "bytes": [_buffers(p)[0].clone() for p in fp8.parameters()],
                      "used_as_is": sum("used as is" in r for r in used)}
@@ -440,13 +448,7 @@ def _fsdp_rank(rank: int, name: str) -> dict:
 
     recipe, _ = RECIPES[name]
     world = dist.get_world_size()
-    torch.manual_seed(0)
-    with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
-        fp8 = _Layers()
-    ref = _Layers()
-    with torch.no_grad():
-        for a, b in zip(ref.parameters(), fp8.parameters()):
-            a.copy_(b.get_high_precision_init_val())
+    ref, fp8 = _twins(recipe, _Layers)
     # the master shard of each weight: the rows FSDP2 gives this rank (dim-0 chunks)
     masters, starts = [], []
     for p in fp8.parameters():
@@ -543,19 +545,8 @@ def test_hf_llama_with_fp8_primary_weights_trains_like_on_the_fly_weights():
             loss.backward()
             losses.append(loss.detach())
         assert_bitwise_equal(losses[0], losses[1], f"step {step}")
-        with torch.no_grad():
-            for name, p in ref.named_parameters():
-                p -= 0.1 * p.grad
-                p.grad = None
-            for name, p in fp8.named_parameters():
-                if name in quantized:
-                    continue
-                p -= 0.1 * p.grad
-                p.grad = None
-            for p, master in zip(quantized.values(), masters):
-                master -= 0.1 * p.grad
-                p.grad = None
-            cast_master_weights_to_fp8(list(quantized.values()), masters)
+        _sgd(0.1, ref.parameters())
+        _sgd(0.1, [p for n, p in fp8.named_parameters() if n not in quantized], list(quantized.values()), masters)
     used = [s.reason for s in te_compile.report().sites if s.op == "linear"]
     assert sum("used as is" in r for r in used) == len(quantized)
 

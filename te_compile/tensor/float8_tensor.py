@@ -243,24 +243,14 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
             raise RuntimeError(f"FP8 all-gather needs the weight sharded on dim 0 (rows); shard "
                                f"{list(self.shape)} of {list(orig_size)}")
-        data = self._rowwise_data()
-        rows = -(-orig_size[0] // mesh.size()) if len(orig_size) else 0
-        if data.shape[0] != rows:   # uneven sharding: FSDP gathers equal-sized padded shards
-            padded = data.new_zeros((rows, *data.shape[1:]))
-            padded[: data.shape[0]].copy_(data)
-            data = padded
+        data = fsdp_padded_shard(self._rowwise_data(), orig_size, mesh.size())
         return (data,), (self._scale_inv, self._fp8_dtype, self._amax)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
         (data,), (scale_inv, fp8_dtype, amax) = all_gather_outputs, metadata
         if out is not None:
-            # FSDP re-fills the same buffer each step: only the scale (and amax) are new. A compiled
-            # forward may have saved them for backward, so the version counters stay put.
-            for dst, src in ((out._scale_inv, scale_inv), (out._amax, amax)):
-                if dst is not None:
-                    with torch.autograd._unsafe_preserve_version_counter(dst):
-                        dst.copy_(src)
+            fsdp_refill(out, data, scale_inv, amax)
             return None
         weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
                               amax=None if amax is None else amax.clone(), quantizer=self._quantizer)
@@ -285,6 +275,32 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
 
 
 torch.serialization.add_safe_globals([_rebuild_float8_tensor])
+
+
+# ---- FSDP2 helpers (Float8Tensor's own hooks and te_compile/fsdp.py's wrapper) ---------------------
+
+def fsdp_padded_shard(data: torch.Tensor, orig_size, world: int) -> torch.Tensor:
+    """A shard's bytes [rows, ...] padded with zero rows to FSDP2's padded shard size
+    [ceil(orig_rows / world), ...]: FSDP gathers equal-sized shards."""
+    rows = -(-orig_size[0] // world) if len(orig_size) else 0
+    if data.shape[0] == rows:
+        return data
+    padded = data.new_zeros((rows, *data.shape[1:]))
+    padded[: data.shape[0]].copy_(data)
+    return padded
+
+
+def fsdp_refill(out: "Float8Tensor", data: torch.Tensor, scale_inv: torch.Tensor, amax) -> None:
+    """FSDP2 re-gathers into the buffer ``out`` already views: only the scale (and amax) are new.
+    A compiled forward may have saved them for backward, and the re-gather in backward writes the
+    same values, so their version counters stay put."""
+    if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
+        raise RuntimeError("FSDP2 re-gathered an FP8 weight into a new buffer; expected the buffer of "
+                           "the first all-gather")
+    for dst, src in ((out._scale_inv, scale_inv), (out._amax, amax)):
+        if dst is not None:
+            with torch.autograd._unsafe_preserve_version_counter(dst):
+                dst.copy_(src)
 
 
 # ---- quantizers -----------------------------------------------------------------------------------

@@ -134,6 +134,7 @@ class _Logical:
         else:
             setattr(self._local, name, value)
 
+
 class _Item:
     """One weight's share of the cast: its master range (flat, in the weight's dtype) or None."""
 
