@@ -41,7 +41,7 @@ from .scaling import tensor_amax
 from .state import state_for
 from .tensor.block_scaled_tensor import BlockScaledTensor
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-from .tensor.quantized_tensor import Quantizer
+from .tensor.quantized_tensor import QuantizedTensor, Quantizer
 
 __all__ = ["quantized_model_init", "weight_quantizer", "PRIMARY_WEIGHT_RECIPES"]
 
@@ -130,6 +130,12 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
         return
     hp = linear.weight.detach()
     requires_grad = linear.weight.requires_grad
+    if isinstance(spec.recipe, DelayedScaling) and hp.is_meta:
+        # the graph's state would be created on the meta device, and to_empty() replaces the
+        # parameter the state is keyed by
+        raise ValueError("quantized_model_init: DelayedScaling primary weights cannot be built on the meta "
+                         "device yet; build them on the target device (current scaling and the block "
+                         "formats can)")
     if isinstance(spec.recipe, DelayedScaling):
         # The state is keyed by the final parameter; quantize with the initial scale first, then
         # attach the quantizer that reads the graph's scale for this parameter.
@@ -148,8 +154,9 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
             value = value._map_buffers(torch.Tensor.contiguous)
         param = nn.Parameter(value, requires_grad=requires_grad)
         param._quantizer = quantizer
-    if spec.keep_init_val and hp.device.type != "meta":
-        param._hp_init = [hp.to("cpu", copy=True)]
+    if spec.keep_init_val:
+        # a meta weight has no values yet: its first initialization after to_empty() fills this
+        param._hp_init = [QuantizedTensor.PENDING if hp.is_meta else hp.to("cpu", copy=True)]
     linear.weight = param
 
 

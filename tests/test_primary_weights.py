@@ -106,6 +106,25 @@ def test_in_place_init_through_data_refreshes_the_init_value():
                          (hp * scale).clamp(-448, 448).to(torch.float8_e4m3fn).float())
 
 
+@pytest.mark.parametrize("name", ["Float8CurrentScaling", "MXFP8BlockScaling"])
+def test_meta_device_init_then_to_empty_and_reset(name):
+    # torchtitan's way: build on the meta device, materialize, initialize in place
+    recipe, cls = RECIPES[name]
+    with torch.device("meta"), quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        lin = nn.Linear(64, 96)
+    assert type(lin.weight) is cls and lin.weight.is_meta
+    assert lin.weight.get_high_precision_init_val() is None, "no values yet"
+    lin.to_empty(device="cpu")
+    torch.manual_seed(5)
+    lin.reset_parameters()
+    hp = lin.weight.get_high_precision_init_val()
+    assert hp is not None and 0.01 < hp.std() < 0.2, "filled by the first initialization"
+    _assert_same_quantized(lin.weight, weight_quantizer(recipe).quantize(hp), name)
+    with pytest.raises(ValueError, match="DelayedScaling primary weights cannot be built on the meta device"):
+        with torch.device("meta"), quantized_model_init(recipe=DelayedScaling()):
+            nn.Linear(64, 96)
+
+
 @pytest.mark.parametrize("name", list(RECIPES))
 def test_backend_uses_the_weight_as_is(name):
     """One step of the compiled model: same loss and input gradient as fp32 weights holding the init

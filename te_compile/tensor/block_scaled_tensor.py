@@ -486,7 +486,10 @@ def _is_pinned(func, args, kwargs):
 def _quantized_zeros(self, shape, kwargs):
     device = kwargs.get("device") or self.device
     dtype = kwargs.get("dtype") or self.dtype
-    return self._requantizer().quantize(torch.zeros(shape, dtype=dtype, device=device))
+    out = self._requantizer().quantize(torch.zeros(shape, dtype=dtype, device=device))
+    if self.device.type == "meta" and out.device.type != "meta":
+        out._alias_of(self)   # a meta weight materialized (Module.to_empty): keeps the init holder
+    return out
 
 
 @implements(BlockScaledTensor, aten.new_zeros.default, aten.new_empty.default)

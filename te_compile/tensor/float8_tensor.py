@@ -499,6 +499,10 @@ def _new_float8(self, shape, fill: Optional[int], kwargs) -> Float8Tensor:
     maker = torch.zeros if fill == 0 else torch.empty
     data = maker(shape, dtype=torch.uint8, device=device)
     amax = None if self._amax is None else torch.zeros_like(self._amax, device=device)
+    # a meta tensor's scale has no value to copy (Module.to_empty after a meta-device init)
+    if self._scale_inv.is_meta:
+        out = self._like(data, scale_inv=torch.ones(1, device=device), dtype=kwargs.get("dtype"), amax=amax)
+        return out._alias_of(self) if not data.is_meta else out   # materialized: keeps the init holder
     return self._like(data, scale_inv=self._scale_inv.clone().to(device), dtype=kwargs.get("dtype"), amax=amax)
 
 

@@ -195,13 +195,17 @@ class QuantizedTensor(torch.Tensor):
 
     # FP8 primary weights (te_compile.quantized_model_init(preserve_high_precision_init_val=True))
     # keep the values they were quantized from, on the CPU, to initialize fp32 master weights. The
-    # holder ([tensor or None]) is shared with detached aliases (``weight.data``), so that an
-    # in-place initialization through one (``weight.data.normal_()``) refreshes it.
+    # holder ([tensor, PENDING or None]) is shared with detached aliases (``weight.data``) and with the
+    # materialization of a meta weight (``Module.to_empty``), so that an in-place initialization
+    # through either (``weight.data.normal_()``, ``reset_parameters()``) fills or refreshes it.
+    # PENDING: a meta weight, whose values come with its first initialization; None: cleared.
     _hp_init: Optional[list] = None
+    PENDING = "pending"
 
     def get_high_precision_init_val(self) -> Optional[torch.Tensor]:
         """The high-precision values this weight was created from (CPU), or None when not kept."""
-        return None if self._hp_init is None else self._hp_init[0]
+        value = None if self._hp_init is None else self._hp_init[0]
+        return None if value is QuantizedTensor.PENDING else value
 
     def clear_high_precision_init_val(self) -> None:
         """Drop the kept high-precision values (once the master weights are initialized)."""
@@ -209,7 +213,8 @@ class QuantizedTensor(torch.Tensor):
             self._hp_init[0] = None
 
     def _alias_of(self, other: "QuantizedTensor") -> "QuantizedTensor":
-        """Mark self as a full alias of ``other`` (a detach): share what belongs to the values."""
+        """Mark self as a full alias of ``other`` (a detach, or the materialization of a meta tensor):
+        share what belongs to the values."""
         if other._hp_init is not None:
             self._hp_init = other._hp_init
         return self
@@ -229,7 +234,7 @@ class QuantizedTensor(torch.Tensor):
             # In-place op on a quantized tensor (add_, mul_, zero_, ...): the op ran on a
             # dequantized copy; quantize the result back into the original.
             args[0].quantize_(result)
-            if args[0].get_high_precision_init_val() is not None:
+            if args[0]._hp_init is not None and args[0]._hp_init[0] is not None:   # kept, or pending
                 args[0]._hp_init[0] = result.detach().to("cpu", copy=True)
             return args[0]
         return result
