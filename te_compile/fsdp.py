@@ -180,6 +180,12 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     __torch_function__ = torch._C._disabled_torch_function_impl
 
+    @property
+    def _quantizer(self):
+        """Delayed scaling: the quantizer linking the weight's state (te_compile.state finds it
+        through the sharded parameter, for recipe_state_dict); None for the other recipes."""
+        return self._book.slots[self._slot].quantizer
+
     def __repr__(self, *, tensor_contents=None) -> str:
         return f"Fp8AllGatherWeight({self._book.slots[self._slot].fqn}, {self._tensor!r})"
 

@@ -9,7 +9,7 @@ the graph module, so the compiled forward and backward update them in place (no 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
@@ -59,10 +59,7 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
     """The state of ``weight``, created on first use. ``where`` names the site for errors."""
     state = _STATES.get(weight)
     if state is None:
-        # An FP8 primary weight's quantizer carries the state of the parameter it was made for
-        # (primary_weights.py), so a copy of that weight, such as FSDP2's unsharded parameter,
-        # shares it: the scale the master-weight cast quantizes with is the one the graph updates.
-        state = getattr(getattr(weight, "_quantizer", None), "linear_state", None)
+        state = _linked_state(weight)
         if state is None:
             state = LinearState(history_len, weight.device)
         _STATES[weight] = state
@@ -72,6 +69,16 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
             f"has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
         )
     return state
+
+
+def _linked_state(weight) -> Optional[LinearState]:
+    """The state a weight reaches through its quantizer (``linear_state``): an FP8 primary weight's
+    (primary_weights.py) or an FSDP2 FP8 all-gather shard's (fsdp.py), also through the DTensor
+    FSDP2 shards it into. Copies of such a weight (FSDP2's unsharded parameter) carry the quantizer,
+    so they share the state: the scale the cast or the all-gather quantizes with is the one the graph
+    updates."""
+    local = getattr(weight, "_local_tensor", weight)
+    return getattr(getattr(local, "_quantizer", None), "linear_state", None)
 
 
 def amax_anchor(device: torch.device) -> torch.Tensor:
@@ -103,18 +110,44 @@ def _prefixes(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
     return out
 
 
+def _fsdp_unsharded(model: torch.nn.Module) -> dict[int, Optional[torch.Tensor]]:
+    """id(sharded parameter) -> FSDP2's unsharded parameter (None before its first all-gather), for
+    the parameters of fully_shard-ed modules: a compiled graph sees, and keys state by, the
+    unsharded one."""
+    out = {}
+    for module in _unwrap(model).modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        group = getattr(get_state(), "_fsdp_param_group", None) if get_state is not None else None
+        for fsdp_param in getattr(group, "fsdp_params", ()):
+            out[id(fsdp_param.sharded_param)] = getattr(fsdp_param, "_unsharded_param", None)
+    return out
+
+
+def _state_of(param: torch.Tensor, unsharded: dict) -> Optional[LinearState]:
+    """The state a model parameter already has: its own, the one its quantizer links, or (FSDP2) its
+    unsharded parameter's."""
+    state = _STATES.get(param)
+    if state is None:
+        state = _linked_state(param)
+    if state is None and unsharded.get(id(param)) is not None:
+        state = _STATES.get(unsharded[id(param)])
+    return state
+
+
 def _state_names(model: torch.nn.Module) -> dict[str, LinearState]:
     """One prefix per parameter that has state: among its names, the module of a linear site that
     uses it (a tied ``lm_head.weight is embed.weight`` is keyed "lm_head"), else its first name."""
     names: dict[int, list[str]] = {}
-    params = {}
+    states = {}
+    unsharded = _fsdp_unsharded(model)
     for prefix, param in _prefixes(model).items():
-        if _STATES.get(param) is not None:
+        state = _state_of(param, unsharded)
+        if state is not None:
             names.setdefault(id(param), []).append(prefix)
-            params[id(param)] = param
+            states[id(param)] = state
     out = {}
     for key, prefixes in names.items():
-        state = _STATES[params[key]]
+        state = states[key]
         used = [p for p in prefixes if p in state.sites]
         out[(used or prefixes)[0]] = state
     return out
@@ -184,11 +217,20 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
                         f"of this model, with role in {STATE_ROLES} and field in {FIELDS})")
 
     params = {id(p): p for p in prefixes.values()}
+    unsharded = _fsdp_unsharded(model)
     loads = []
     for pid, given in entries.items():
         if not given:
             continue
-        existing = _STATES.get(params[pid])
+        existing = _state_of(params[pid], unsharded)
+        if existing is None and pid in unsharded:
+            # FSDP2: the graph keys state by the unsharded parameter, which exists from the first
+            # all-gather on (an FP8 all-gather weight links its state from the start)
+            if unsharded[pid] is None:
+                problems.append(f"{names[pid]}: an FSDP2-sharded weight gets its state at its first "
+                                f"all-gather; run one forward before loading its recipe state")
+                continue
+            params[pid] = unsharded[pid]
         history = next((v for (_, f), (_, v) in given.items() if f == "amax_history"), None)
         history_len = (existing.history_len if existing is not None
                        else history.numel() if history is not None else 1024)
@@ -202,7 +244,7 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
         raise RuntimeError("load_recipe_state_dict: " + "; ".join(problems) + hint)
 
     for param, history_len, prefix, given in loads:
-        state = state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
+        state = _state_of(param, unsharded) or state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
         for (role, field_name), (_, value) in given.items():
             with torch.no_grad():
                 getattr(state.roles[role], field_name).copy_(value)

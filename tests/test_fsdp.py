@@ -162,20 +162,32 @@ def _fsdp_worker(rank: int, checkpoint_dir: str) -> dict:
 
     # delayed scaling: the shards cast with the graph's scale give the bytes the graph would make of
     # the gathered high-precision weight, and the same amaxes enter the history
-    delayed = []
+    delayed, delayed_state = [], []
     for fp8 in (True, False):
         torch._dynamo.reset()   # this worker compiled Net many times: stay under the recompile limit
         m, c, dl_outcome = _fsdp_model(fp8, options=DELAYED)
         delayed.append(_train(m, c, torch.optim.AdamW(m.parameters(), lr=1e-2), rank, range(4)))
+        delayed_state.append(te_compile.recipe_state_dict(m))
         if fp8:
             delayed_outcome = dl_outcome
+    # recipe state of a sharded model: loads into a fresh FP8-gathering one before its first step
+    # (the shards link their state); a high-precision gather gets its state at the first all-gather
+    fresh, _, _ = _fsdp_model(True, options=DELAYED)
+    te_compile.load_recipe_state_dict(fresh, delayed_state[0])
+    reloaded = te_compile.recipe_state_dict(fresh)
+    try:
+        te_compile.load_recipe_state_dict(_fsdp_model(False, options=DELAYED)[0], delayed_state[1])
+        load_error = None
+    except RuntimeError as e:
+        load_error = str(e)
     return {
         "losses": losses, "outcome": outcome, "bytes_per_step": per_step,
         "dtypes": {str(d) for _, d in gathered}, "refreshes": refreshes,
         "report": report, "unsharded_head": [c.__name__ for c in unsharded],
         "shard_rows": {n: p.to_local().shape[0] for n, p in model.named_parameters() if n.endswith("weight")},
         "same_weights": same_weights, "after_load": after_load, "mixed": mixed,
-        "delayed": delayed, "delayed_outcome": delayed_outcome,
+        "delayed": delayed, "delayed_outcome": delayed_outcome, "delayed_state": delayed_state,
+        "reloaded": reloaded, "load_error": load_error,
     }
 
 
@@ -242,6 +254,20 @@ def test_fsdp_delayed_scaling_fp8_gather_equals_high_precision_gather(fsdp_resul
         fp8, high = result["delayed"]
         assert fp8 == high
         assert len(set(fp8)) == len(fp8), "training moved"
+
+
+def test_fsdp_delayed_scaling_recipe_state_dict(fsdp_results):
+    for result in fsdp_results:
+        fp8, high = result["delayed_state"]
+        assert {k.rsplit(".", 2)[0] for k in fp8} == {"block0.up", "block0.down", "block1.up", "block1.down",
+                                                      "head"}
+        assert fp8.keys() == high.keys()
+        for key in fp8:
+            assert_bitwise_equal(fp8[key], high[key], key)
+        assert result["reloaded"].keys() == fp8.keys()
+        for key in fp8:
+            assert_bitwise_equal(result["reloaded"][key], fp8[key], key)
+        assert "run one forward before loading its recipe state" in result["load_error"]
 
 
 def test_fsdp_report_and_unsharded_weight(fsdp_results):
