@@ -1,6 +1,6 @@
 """FSDP2 (fully_shard) with the weights of FP8 linears all-gathered as FP8.
 
-    torchrun --nproc-per-node 2 examples/distributed/train_fsdp2.py [--gather fp8|high] [--bf16]
+    torchrun --nproc-per-node 2 examples/distributed/train_fsdp2.py [--gather fp8|high] [--bf16] [--recipe NAME]
 
 The torchtitan layout: each transformer block is compiled with the te backend and sharded with
 fully_shard, then the root. ``te_compile.enable_fp8_all_gather`` (before fully_shard) makes each
@@ -27,13 +27,16 @@ from te_compile.models import gpt_small
 from _common import finish, setup, train
 
 STEPS = 10
-# lm_head runs eagerly in the root (below): keep it, and its all-gather, in high precision
-OPTIONS = {"recipe": "Float8CurrentScaling", "overrides": [{"modules": "lm_head", "recipe": "none"}]}
+RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling", "Float8BlockScaling")
 
 parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
 parser.add_argument("--gather", choices=("fp8", "high"), default="fp8")
 parser.add_argument("--bf16", action="store_true", help="param_dtype=bf16, reduce_dtype=fp32")
+parser.add_argument("--recipe", choices=RECIPES, default="Float8CurrentScaling",
+                    help="block formats gather in their format where each rank's rows are whole blocks")
 args = parser.parse_args()
+# lm_head runs eagerly in the root (below): keep it, and its all-gather, in high precision
+OPTIONS = {"recipe": args.recipe, "overrides": [{"modules": "lm_head", "recipe": "none"}]}
 
 rank, world, device = setup()
 
@@ -74,6 +77,7 @@ if rank == 0:
     print(f"all-gather ({args.gather} weights, param_dtype {dtype}): {per_step / 2**20:.3f} MiB per step "
           f"from each of {world} ranks ({len(gathered_bytes) // STEPS} all-gathers per step)")
     if args.gather == "fp8":
-        print(f"weight amax all-reduces: {model._te_fp8_all_gather.refreshes} in {STEPS} steps")
+        print(f"weight amax all-reduces: {model._te_fp8_all_gather.refreshes} in {STEPS} steps "
+              f"(block formats need none)")
 dist.all_gather_single = _all_gather_single
 finish(model, rank)
