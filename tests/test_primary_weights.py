@@ -24,7 +24,12 @@ from te_compile.recipe import (
     NVFP4BlockScaling,
 )
 from te_compile.tensor import Float8BlockwiseQTensor, Float8Tensor, MXFP8Tensor, QuantizedTensor
-from te_compile.tensor.utils import cast_master_weights_to_fp8, post_all_gather_processing, replace_raw_data
+from te_compile.tensor.utils import (
+    cast_master_weights_to_fp8,
+    post_all_gather_processing,
+    quantize_master_weights,
+    replace_raw_data,
+)
 from utils import assert_bitwise_equal, run_ranks
 
 RECIPES = {
@@ -179,6 +184,10 @@ def test_cast_checks_its_arguments():
         cast_master_weights_to_fp8([w], [None, None])
     with pytest.raises(ValueError, match="does not fit"):
         cast_master_weights_to_fp8([w], [torch.zeros(10)], start_offsets=[1020])
+    with pytest.raises(ValueError, match="look like start offsets"):   # TE's positional order
+        cast_master_weights_to_fp8([w], [torch.zeros(32, 32)], [0], None)
+    quantize_master_weights([w], [torch.zeros(32, 32)], [0], None)   # ... is quantize_master_weights'
+    assert_bitwise_equal(w.dequantize(), torch.zeros(32, 32))
     with pytest.raises(ValueError, match="no quantizer"):
         plain = Float8Tensor(data=w._data.clone(), scale_inv=w._scale_inv.clone(), fp8_dtype=w._fp8_dtype)
         cast_master_weights_to_fp8([plain], [torch.zeros(32, 32)])

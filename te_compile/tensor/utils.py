@@ -43,7 +43,8 @@ from .float8_tensor import (
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8TensorStorage
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
 
-__all__ = ["is_custom", "replace_raw_data", "cast_master_weights_to_fp8", "post_all_gather_processing"]
+__all__ = ["is_custom", "replace_raw_data", "cast_master_weights_to_fp8", "quantize_master_weights",
+           "post_all_gather_processing"]
 
 
 def is_custom(x) -> bool:
@@ -319,6 +320,11 @@ def cast_master_weights_to_fp8(
     Clears each weight's high-precision init value (the master weights exist now).
     """
     n = len(model_weights)
+    if quantizers is not None and any(isinstance(q, int) for q in quantizers):
+        raise ValueError("cast_master_weights_to_fp8: quantizers holds ints, which look like start offsets: "
+                         "the third positional argument here is quantizers; pass start_offsets= and "
+                         "amax_reduce_group= by keyword, or call quantize_master_weights (TransformerEngine's "
+                         "positional order)")
     quantizers = list(quantizers) if quantizers is not None else [getattr(w, "_quantizer", None) for w in model_weights]
     start_offsets = list(start_offsets) if start_offsets is not None else [0] * n
     dests = list(fsdp_shard_model_weights) if fsdp_shard_model_weights is not None else [None] * n
@@ -377,3 +383,12 @@ def cast_master_weights_to_fp8(
             offset += a.numel()
     for kind, item, amaxes in zip(kinds, items, local):
         kind.finish(item, amaxes, manual_post_all_gather_processing)
+
+
+def quantize_master_weights(model_weights, master_weights, start_offsets, group, fsdp_shard_model_weights=None,
+                            manual_post_all_gather_processing: bool = False) -> None:
+    """``cast_master_weights_to_fp8`` with TransformerEngine's newer name and positional order
+    (model_weights, master_weights, start_offsets, group, ...), for code written against it."""
+    cast_master_weights_to_fp8(model_weights, master_weights, None, group, start_offsets=start_offsets,
+                               fsdp_shard_model_weights=fsdp_shard_model_weights,
+                               manual_post_all_gather_processing=manual_post_all_gather_processing)
