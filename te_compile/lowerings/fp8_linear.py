@@ -22,9 +22,9 @@ import torch
 from ..distributed import reduce_amaxes
 from ..recipe import DelayedScaling, Float8CurrentScaling
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
-from ..tensor.float8_tensor import Float8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from .gemm import fp8_gemm
+from .quantizers import weight_is_operand
 
 __all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight"]
 
@@ -63,9 +63,8 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None):
     history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
     one its bytes show. Any other weight is quantized like every operand (``_quantize_per_tensor``).
     """
-    fp8_dtype = recipe.fp8_format.dtype_for("weight")
-    if isinstance(w_nk, Float8Tensor) and w_nk._fp8_dtype == fp8_dtype and w_nk._data is not None:
-        data = w_nk._data.view(fp8_dtype)
+    if weight_is_operand(w_nk, recipe):
+        data = w_nk._data.view(w_nk._fp8_dtype)
         scale_inv = w_nk._scale_inv
         if amax is None and w_nk._amax is not None:
             amax = w_nk._amax
@@ -98,7 +97,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
         x_amax = tensor_amax(x2d)
-        w_amax = None if isinstance(w_nk, Float8Tensor) else tensor_amax(w_nk)
+        w_amax = None if weight_is_operand(w_nk, recipe) else tensor_amax(w_nk)
         if x_scale is None and (groups[0] or groups[1]):
             if w_amax is None:   # a pre-quantized weight brings its (whole-weight) scale
                 [x_amax] = reduce_amaxes([x_amax], groups[:1])

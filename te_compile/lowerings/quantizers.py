@@ -9,7 +9,16 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..recipe import ROLES, CustomRecipe, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
+from ..recipe import (
+    ROLES,
+    CustomRecipe,
+    DelayedScaling,
+    Float8BlockScaling,
+    Float8CurrentScaling,
+    MXFP8BlockScaling,
+    NVFP4BlockScaling,
+    Recipe,
+)
 from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from ..tensor.mxfp8_tensor import MXFP8Quantizer
 from ..tensor.nvfp4_tensor import NVFP4Quantizer
@@ -80,6 +89,5 @@ def weight_is_operand(weight, recipe: Recipe) -> bool:
     of another format is dequantized and quantized again."""
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
         return quantizer_factory(recipe)("weight").matches(weight)
-    fp8_format = getattr(recipe, "fp8_format", None)
-    return (isinstance(weight, Float8Tensor) and fp8_format is not None and not isinstance(recipe, FACTORY_RECIPES)
-            and weight._fp8_dtype == fp8_format.dtype_for("weight"))
+    return (isinstance(recipe, (Float8CurrentScaling, DelayedScaling)) and isinstance(weight, Float8Tensor)
+            and weight._data is not None and weight._fp8_dtype == recipe.fp8_format.dtype_for("weight"))
