@@ -57,7 +57,6 @@ from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
 from .primary_weights import weight_quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
-from .state import state_for
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_padded_shard, fsdp_refill
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
@@ -87,14 +86,9 @@ class _Slot:
         self.version: Optional[int] = None
         # block formats: the weight quantizer (scales are per block: shards need no amax reduction)
         self.block_quantizer = weight_quantizer(recipe) if isinstance(recipe, BLOCK_RECIPES) else None
-        # delayed scaling: the weight's state, and a quantizer carrying it to the gathered weight
-        self.quantizer: Optional[Float8Quantizer] = None
-        if isinstance(recipe, DelayedScaling):
-            weight = getattr(module, name)
-            state = state_for(weight, recipe.amax_history_len, fqn)
-            self.quantizer = Float8Quantizer(state.roles["weight"].scale, torch.zeros(1, device=weight.device),
-                                             recipe.fp8_format.dtype_for("weight"), columnwise=False)
-            self.quantizer.linear_state = state
+        # delayed scaling: the quantizer with the weight's state (its scale), carried to the gathered weight
+        self.quantizer: Optional[Float8Quantizer] = (
+            weight_quantizer(recipe, getattr(module, name), fqn) if isinstance(recipe, DelayedScaling) else None)
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
         """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right

@@ -78,11 +78,12 @@ def _check_recipe(recipe) -> Recipe:
     return recipe
 
 
-def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None) -> Quantizer:
+def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
+                     where: str = "quantized_model_init") -> Quantizer:
     """The quantizer that makes ``recipe``'s weight operand, bit for bit as the te backend would.
 
     Delayed scaling needs ``weight`` (the parameter): its quantizer reads the scale the compiled
-    graph keeps for that parameter.
+    graph keeps for that parameter (``where`` names it in state errors).
     """
     recipe = _check_recipe(recipe)
     fp8_dtype = recipe.fp8_format.dtype_for("weight") if hasattr(recipe, "fp8_format") else None
@@ -95,7 +96,7 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None) -> Q
         if weight is None:
             raise ValueError("weight_quantizer: delayed scaling needs the weight parameter (its scale "
                              "is the compiled graph's state for that parameter)")
-        state = state_for(weight, recipe.amax_history_len, "quantized_model_init")
+        state = state_for(weight, recipe.amax_history_len, where)
         scale = state.roles["weight"].scale
         quantizer = Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
         # travels with the weight's copies (views, FSDP2 shards and gathers keep the quantizer):
@@ -137,13 +138,12 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
                          "device yet; build them on the target device (current scaling and the block "
                          "formats can)")
     if isinstance(spec.recipe, DelayedScaling):
-        # The state is keyed by the final parameter; quantize with the initial scale first, then
-        # attach the quantizer that reads the graph's scale for this parameter.
+        # The state is keyed by the final parameter, so quantize first with scale 1, the scale a new
+        # state starts from, then attach the quantizer that reads the graph's scale for it.
         placeholder = Float8Quantizer(torch.ones(1, device=hp.device), torch.zeros(1, device=hp.device),
                                       spec.recipe.fp8_format.dtype_for("weight"), columnwise=False)
         param = nn.Parameter(placeholder.quantize(hp), requires_grad=requires_grad)
         param._quantizer = weight_quantizer(spec.recipe, param)
-        param._quantizer.update_quantized(hp, param)
         param._amax = tensor_amax(hp).reshape(1).to(torch.float32)
     else:
         quantizer = weight_quantizer(spec.recipe)

@@ -238,13 +238,13 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
             expected = (history_len,) if field_name == "amax_history" else (1,)
             if tuple(value.shape) != expected:
                 problems.append(f"{key} has shape {tuple(value.shape)}, expected {expected}")
-        loads.append((params[pid], history_len, names[pid], given))
+        loads.append((params[pid], existing, history_len, names[pid], given))
     if problems:
         hint = " (strict=False loads the keys that match)" if strict and (missing or unexpected) else ""
         raise RuntimeError("load_recipe_state_dict: " + "; ".join(problems) + hint)
 
-    for param, history_len, prefix, given in loads:
-        state = _state_of(param, unsharded) or state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
+    for param, existing, history_len, prefix, given in loads:
+        state = existing or state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
         for (role, field_name), (_, value) in given.items():
             with torch.no_grad():
                 getattr(state.roles[role], field_name).copy_(value)
