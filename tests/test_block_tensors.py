@@ -224,6 +224,22 @@ def test_reshapes_keeping_last_dim_are_views(qt):
         t.view(256, 2, 64)
 
 
+def test_flat_view_keeps_the_buffers_and_round_trips(qt):
+    # FSDP2 keeps a flat 1-D view of every shard it makes (``_sharded_param_data``)
+    case, q, x, t = qt
+    flat = t.view(-1)
+    assert type(flat) is type(t) and flat.shape == (256 * 128,)
+    assert flat._rowwise_data is t._rowwise_data, "the flat view shares the buffers"
+    assert_bitwise_equal(flat.dequantize(), t.dequantize().reshape(-1))
+    back = flat.view(256, 128)   # the last dim is x2d's K again
+    assert_bitwise_equal(back.dequantize(), t.dequantize())
+    with pytest.raises(RuntimeError, match="changes the last dim"):
+        flat.view(512, 64)
+    # an in-place write through the flat view lands in the source's buffers
+    flat.copy_(torch.zeros(256 * 128))
+    assert not t.dequantize().any(), case
+
+
 @pytest.mark.parametrize("op", ["slice_last", "expand"])
 def test_layout_breaking_ops_raise(qt, op):
     case, q, x, t = qt

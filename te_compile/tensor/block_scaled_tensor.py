@@ -10,16 +10,17 @@ Each format class names its extra buffers and format fields and says how to dequ
 how to cut a range of rows; everything else (usage, saving, views, copies, torch.compile flattening,
 pickling) lives here once.
 
-Views: only what keeps the block layout is a view: reshapes that keep the last dim (the 2-D buffers do
-not change) and slices / splits along dim 0 at block boundaries (what FSDP2 sharding does). Anything
-else that would move elements across blocks (transpose, slicing the last dim, ...) raises; call
-``dequantize()`` first.
+Views: only what keeps the block layout is a view: reshapes whose last dim is x2d's K and the flat
+1-D view (the 2-D buffers do not change; FSDP2 keeps a flat view of each shard), and slices / splits
+along dim 0 at block boundaries (what FSDP2 sharding does). Anything else that would move elements
+across blocks (transpose, slicing the last dim, ...) raises; call ``dequantize()`` first.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import torch
 
@@ -89,6 +90,15 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
     def _slice_rows(self, start: int, stop: int) -> dict:
         """The fields (constructor keywords) of rows [start, stop) of x2d; raise where blocks forbid."""
         raise NotImplementedError
+
+    def _x2d_cols(self) -> int:
+        """K of the x2d the buffers hold (a flat 1-D view keeps its source's x2d: K is not its last dim)."""
+        raise NotImplementedError
+
+    def _x2d(self) -> tuple[int, int]:
+        """(M, K) of the x2d the buffers hold."""
+        k = self._x2d_cols()
+        return (self._logical_shape.numel() // k if k else rows_cols(self._logical_shape)[0]), k
 
     def _derived_copy(self, columnwise: bool) -> Optional[dict]:
         """Buffers of the missing copy computed from the other one, where the format allows (2-D
@@ -165,7 +175,7 @@ class BlockScaledTensorStorage(QuantizedTensorStorage):
 
     def _check_row_cut(self, start: int, stop: int, granule: int, what: str) -> None:
         """Rows may only be cut at multiples of ``granule`` (the end of the tensor is always fine)."""
-        m, _ = rows_cols(self._logical_shape)
+        m, _ = self._x2d()
         for edge in (start, stop):
             if edge % granule and edge != m:
                 raise RuntimeError(
@@ -267,6 +277,68 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
         return cls(shape=outer_size, dtype=dtype, **fields)
 
 
+    # ---- FSDP2 all-gather extension ------------------------------------------------------------
+    # A block-scaled shard (an FP8 primary weight sharded by fully_shard, or te_compile/fsdp.py's
+    # quantized high-precision shard) gathers its own buffers: rows split at block boundaries hold
+    # whole blocks, so the gathered buffers are the whole weight's, bit for bit.
+
+    # Buffers laid out by x2d rows ([M, ...]) that concatenate along dim 0 into the whole tensor's;
+    # the format's other copies are derived after the gather or not gathered at all (empty: the
+    # format cannot be gathered this way).
+    _FSDP_GATHERED: tuple[str, ...] = ()
+
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        """The shard's row-laid-out buffers, and how to rebuild the gathered tensor."""
+        name = type(self).__name__
+        if not self._FSDP_GATHERED:
+            raise NotImplementedError(f"{name} cannot be all-gathered by FSDP2 in its quantized form")
+        if self.dim() < 2 or tuple(self.shape[1:]) != tuple(orig_size[1:]):
+            raise RuntimeError(f"{name}: an FSDP2 all-gather of block-scaled data needs dim-0 (row) shards; "
+                               f"shard {list(self.shape)} of {list(orig_size)}")
+        world = mesh.size()
+        if orig_size[0] % world or self.shape[0] != orig_size[0] // world:
+            # FSDP2 pads an uneven shard and wants every all-gather input at the padded shard size,
+            # which scale buffers (fewer rows than the data) cannot be
+            raise RuntimeError(f"{name}: an FSDP2 all-gather of block-scaled data needs even shards: "
+                               f"{orig_size[0]} rows over {world} ranks")
+        missing = [n[1:] for n in self._FSDP_GATHERED if getattr(self, n) is None]
+        if missing:
+            raise RuntimeError(f"{name}: the shard lacks {missing}, which the all-gather moves")
+        meta = FsdpBlockMeta(type(self), self._FSDP_GATHERED,
+                             {n[1:]: getattr(self, n) for n in self._META}, tuple(orig_size), self._quantizer)
+        return tuple(getattr(self, n).contiguous() for n in self._FSDP_GATHERED), meta
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+
+
+@dataclass(frozen=True)
+class FsdpBlockMeta:
+    """How to rebuild a gathered block-scaled tensor: its class, the gathered buffers' names (in
+    order), its format fields, the whole tensor's shape and the quantizer it carries."""
+
+    cls: type
+    names: tuple
+    format: dict
+    shape: tuple
+    quantizer: Any
+
+
+def fsdp_block_post_all_gather(all_gather_outputs, metadata: FsdpBlockMeta, param_dtype, *, out=None):
+    """FSDP2's post-all-gather of block-scaled buffers: the whole tensor over the gathered buffers
+    (they are its storage: FSDP frees and refills them, the tensor follows)."""
+    if out is not None:   # FSDP re-gathered into the buffers ``out`` already views
+        if out._rowwise_data is None or (out._rowwise_data.untyped_storage().data_ptr()
+                                         != all_gather_outputs[0].untyped_storage().data_ptr()):
+            raise RuntimeError("FSDP2 re-gathered a block-scaled weight into a new buffer; expected "
+                               "the buffers of the first all-gather")
+        return None
+    fields = {name[1:]: t for name, t in zip(metadata.names, all_gather_outputs)}
+    weight = metadata.cls(shape=metadata.shape, dtype=param_dtype, quantizer=metadata.quantizer,
+                          **fields, **metadata.format)
+    return weight, tuple(all_gather_outputs)
+
+
 torch.serialization.add_safe_globals([_rebuild_block_scaled_tensor])
 
 
@@ -291,7 +363,8 @@ class BlockScaledQuantizer(Quantizer):
     def update_quantized(self, src, dst, *, noop_flag: Optional[torch.Tensor] = None):
         if tuple(src.shape) != tuple(dst.shape):
             raise ValueError(f"update_quantized: src shape {tuple(src.shape)} != dst shape {tuple(dst.shape)}")
-        fields = self._fields_for(src.reshape(*rows_cols(src.shape)))
+        # dst may be a flat view of an [M, K] tensor: quantize src as that x2d
+        fields = self._fields_for(src.reshape(dst._x2d()))
         skip = None if noop_flag is None else noop_flag.reshape(()) != 0
         for key, value in fields.items():
             old = getattr(dst, "_" + key)
@@ -325,7 +398,8 @@ def _meta_shape(func, self, args, kwargs) -> torch.Size:
     return func(torch.empty(self.shape, device="meta"), *args, **kwargs).shape
 
 
-# Reshapes: legal when the last dim stays, since the buffers are stored as x2d and do not change.
+# Reshapes: legal when the buffers, stored as x2d, need not change: the new last dim is x2d's K, or
+# the result is the flat 1-D view (FSDP2 keeps one of every shard, ``_sharded_param_data``).
 _RESHAPE_OPS = (aten.view.default, aten._unsafe_view.default, aten.alias.default, aten.unsqueeze.default,
                 aten.squeeze.dim, aten.squeeze.default, aten.squeeze.dims)
 
@@ -335,11 +409,11 @@ def _reshape(func, args, kwargs):
     self = args[0]
     shape = _meta_shape(func, self, args[1:], kwargs)
     last = shape[-1] if len(shape) else 1
-    if last != (self.shape[-1] if self.dim() else 1):
+    if last != self._x2d_cols() and len(shape) != 1:
         raise RuntimeError(
             f"{type(self).__name__}: {func} from {tuple(self.shape)} to {tuple(shape)} changes the last "
-            f"dim, which the blocks run along; only reshapes that keep it are views of the quantized "
-            f"data (call .dequantize() first)"
+            f"dim, which the blocks run along; only reshapes that keep it (and the flat 1-D view) are "
+            f"views of the quantized data (call .dequantize() first)"
         )
     return self._like(shape=shape)
 
@@ -512,6 +586,8 @@ def _copy_(func, args, kwargs):
         type(src) is type(dst) and src.shape == dst.shape
         and all(getattr(src, n) == getattr(dst, n) for n in dst._META)
         and all((getattr(src, n) is None) == (getattr(dst, n) is None) for n in dst._BUFFERS)
+        and all(getattr(src, n).shape == getattr(dst, n).shape for n in dst._BUFFERS
+                if getattr(dst, n) is not None)
     )
     if same_layout:
         # quantized <- quantized of the same format: the bytes and scales, no rounding

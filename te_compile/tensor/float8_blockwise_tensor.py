@@ -58,6 +58,11 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
         return {f"{dst}_data": getattr(self, f"_{src}_data").t().contiguous(),
                 f"{dst}_scale_inv": getattr(self, f"_{src}_scale_inv").t().contiguous()}
 
+    def _x2d_cols(self) -> int:
+        if self._rowwise_data is not None:
+            return self._rowwise_data.shape[1]
+        return self._columnwise_data.shape[0]   # stored as the transpose [K, M]
+
     def _slice_rows(self, start: int, stop: int) -> dict:
         t, b = self._tile_rows, FLOAT8_BLOCK
         out = {}
@@ -74,6 +79,10 @@ class Float8BlockwiseQTensorStorage(BlockScaledTensorStorage):
 
 class Float8BlockwiseQTensor(BlockScaledTensor, Float8BlockwiseQTensorStorage):
     """A torch.Tensor of nominal ``dtype`` holding Float8 block-scaled data."""
+
+    # the rowwise copy only: the columnwise one is stored transposed ([K, M]); with 128x128 tiles it
+    # is derived from the gathered rowwise copy where a GEMM needs it
+    _FSDP_GATHERED = ("_rowwise_data", "_rowwise_scale_inv")
 
     def _default_quantizer(self):
         return Float8BlockQuantizer(self._fp8_dtype, rowwise=True, columnwise=True,

@@ -52,6 +52,10 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
         scale = e8m0_to_fp32(self._columnwise_scale_inv)
         return values * expand_block_scales(scale, 0, m, MXFP8_BLOCK)
 
+    def _x2d_cols(self) -> int:
+        data = self._rowwise_data if self._rowwise_data is not None else self._columnwise_data
+        return data.shape[1]   # both copies are [M, K]
+
     def _slice_rows(self, start: int, stop: int) -> dict:
         out = {}
         if self._rowwise_data is not None:
@@ -67,6 +71,9 @@ class MXFP8TensorStorage(BlockScaledTensorStorage):
 
 class MXFP8Tensor(BlockScaledTensor, MXFP8TensorStorage):
     """A torch.Tensor of nominal ``dtype`` holding MXFP8 data."""
+
+    # both copies are [M, K] with row-laid-out scales: all four buffers gather along dim 0
+    _FSDP_GATHERED = MXFP8TensorStorage._BUFFERS
 
     def _default_quantizer(self):
         return MXFP8Quantizer(self._fp8_dtype)

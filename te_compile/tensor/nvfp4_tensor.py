@@ -81,6 +81,11 @@ class NVFP4TensorStorage(BlockScaledTensorStorage):
         data_t, scale_t = _transposed_tiles(data, scale)
         return {f"{dst}_data": data_t, f"{dst}_scale_inv": scale_t, f"amax_{dst}": getattr(self, f"_amax_{src}")}
 
+    def _x2d_cols(self) -> int:
+        if self._rowwise_data is not None:
+            return self._rowwise_data.shape[1] * 2   # two codes per byte
+        return self._columnwise_data.shape[0]   # stored as the transpose [K, M/2]
+
     def _slice_rows(self, start: int, stop: int) -> dict:
         out = {}
         if self._rowwise_data is not None:
