@@ -44,7 +44,6 @@ updates the very scale the next all-gather casts with; the whole weight's amax r
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any, Optional, Union
 
 import torch
@@ -57,6 +56,7 @@ from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
 from .primary_weights import weight_quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
+from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_padded_shard, fsdp_refill
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
@@ -101,17 +101,6 @@ class _Slot:
                 and isinstance(param._local_tensor, Fp8AllGatherWeight)):
             return param
         return None
-
-
-@dataclass(frozen=True)
-class _BlockMeta:
-    """How to rebuild a gathered block-scaled weight: its class, the gathered buffers' names (in
-    order), its format fields (fp8 dtype, ...) and the whole weight's shape."""
-
-    cls: type
-    names: tuple
-    format: dict
-    shape: tuple
 
 
 class _ScaleBook:
@@ -233,28 +222,18 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def _block_pre_all_gather(self, slot, mesh, orig_size, dtype):
         """MXFP8 / Float8 block: the shard quantized on its own (its rows are whole blocks, so its
-        blocks are the whole weight's), every buffer of it gathered along dim 0."""
-        if orig_size[0] % mesh.size() or self.shape[0] != orig_size[0] // mesh.size():
-            raise RuntimeError(f"{slot.fqn}: block-scaled FP8 all-gather needs even shards (FSDP2 pads "
-                               f"uneven ones, which block scales cannot be): {orig_size[0]} rows over "
-                               f"{mesh.size()} ranks")
-        q = slot.block_quantizer.quantize(self._tensor.to(dtype))
-        names = tuple(name for name in q._BUFFERS if getattr(q, name) is not None)
-        meta = _BlockMeta(type(q), names, {name[1:]: getattr(q, name) for name in q._META}, tuple(orig_size))
-        return tuple(getattr(q, name).contiguous() for name in names), meta
+        blocks are the whole weight's), then gathered as such a shard gathers itself."""
+        try:
+            q = slot.block_quantizer.quantize(self._tensor.to(dtype))
+            return q.fsdp_pre_all_gather(mesh, orig_size, None, None, None)
+        except RuntimeError as e:
+            raise RuntimeError(f"{slot.fqn}: {e}") from e
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided); a block-
         scaled tensor over the gathered buffers."""
-        if isinstance(metadata, _BlockMeta):
-            if out is not None:   # FSDP re-gathered into the buffers ``out`` already views
-                if out._rowwise_data.untyped_storage().data_ptr() != all_gather_outputs[0].untyped_storage().data_ptr():
-                    raise RuntimeError("FSDP2 re-gathered a block-scaled weight into a new buffer; expected "
-                                       "the buffers of the first all-gather")
-                return None
-            fields = {name[1:]: t for name, t in zip(metadata.names, all_gather_outputs)}
-            weight = metadata.cls(shape=metadata.shape, dtype=param_dtype, **fields, **metadata.format)
-            return weight, tuple(all_gather_outputs)
+        if isinstance(metadata, FsdpBlockMeta):
+            return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
         (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
         if out is not None:
             fsdp_refill(out, data, scale_inv, amax)

@@ -460,10 +460,17 @@ class _Layer(nn.Module):
         return nn.functional.gelu(y) if self.act else y
 
 
+# FSDP2 layer widths: per-tensor formats take any rows (96 and 160 rows over 2 ranks split unevenly
+# into neither 32- nor 128-row blocks); block formats need each rank's rows to be whole blocks.
+FSDP_DIMS = {"Float8CurrentScaling": (64, 96, 160, 64), "DelayedScaling": (64, 96, 160, 64),
+             "MXFP8BlockScaling": (64, 128, 192, 64), "Float8BlockScaling": (128, 256, 512, 256)}
+
+
 class _Layers(nn.Module):
-    def __init__(self) -> None:
+    def __init__(self, dims=FSDP_DIMS["Float8CurrentScaling"]) -> None:
         super().__init__()
-        self.layers = nn.ModuleList([_Layer(64, 96), _Layer(96, 160), _Layer(160, 64, act=False)])
+        pairs = list(zip(dims, dims[1:]))
+        self.layers = nn.ModuleList([_Layer(k, n, act=i < len(pairs) - 1) for i, (k, n) in enumerate(pairs)])
 
     def forward(self, x):
         for layer in self.layers:
@@ -476,7 +483,8 @@ def _fsdp_rank(rank: int, name: str) -> dict:
 
     recipe, _ = RECIPES[name]
     world = dist.get_world_size()
-    ref, fp8 = _twins(recipe, _Layers)
+    dims = FSDP_DIMS[name]
+    ref, fp8 = _twins(recipe, lambda: _Layers(dims))
     # the master shard of each weight: the rows FSDP2 gives this rank (dim-0 chunks)
     masters, starts = [], []
     for p in fp8.parameters():
@@ -495,7 +503,7 @@ def _fsdp_rank(rank: int, name: str) -> dict:
     patched = dist.all_gather_single   # what FSDP2 all-gathers with (torch 2.13)
 
     def counting(output, input, *args, **kwargs):
-        gathered.append(input.dtype)
+        gathered.append((input.dtype, input.numel() * input.element_size()))
         return patched(output, input, *args, **kwargs)
 
     dist.all_gather_single = counting
@@ -505,14 +513,14 @@ def _fsdp_rank(rank: int, name: str) -> dict:
     try:
         for step in range(4):
             gen = torch.Generator().manual_seed(100 * step + rank)
-            x, target = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
-            pair = []
+            x, target = torch.randn(16, dims[0], generator=gen), torch.randn(16, dims[-1], generator=gen)
+            pair, sent = [], []
             for model in models:
                 gathered.clear()
                 loss = nn.functional.mse_loss(model(x), target)
                 loss.backward()
                 pair.append(loss.detach())
-            fp8_gather_dtypes = set(gathered)
+                sent.append(list(gathered))
             losses.append(pair)
             with torch.no_grad():
                 for p in ref.parameters():
@@ -526,21 +534,38 @@ def _fsdp_rank(rank: int, name: str) -> dict:
                                            fsdp_shard_model_weights=[p.to_local() for p in params])
     finally:
         dist.all_gather_single = patched
+    error = None
+    if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
+        # a block-scaled shard's master must be the rank's whole shard (its blocks are cast locally)
+        p = next(fp8.parameters())
+        try:
+            cast_master_weights_to_fp8([p], [masters[0][1:]], start_offsets=[starts[0] + 1],
+                                       fsdp_shard_model_weights=[p.to_local()])
+        except ValueError as e:
+            error = str(e)
     used = [r.reason for r in te_compile.report().sites if r.op == "linear"]
-    return {"losses": losses, "gather_dtypes": fp8_gather_dtypes, "reasons": used,
+    return {"losses": losses, "sent": sent, "reasons": used, "error": error,
             "shard_type": type(next(fp8.parameters()).to_local())}
 
 
-@pytest.mark.parametrize("name", ["Float8CurrentScaling", "DelayedScaling"])
+@pytest.mark.parametrize("name", list(RECIPES))
 def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
     for rank, result in enumerate(run_ranks(_fsdp_rank, tmp_path, name)):
-        assert result["shard_type"] is Float8Tensor
-        assert result["gather_dtypes"] == {torch.uint8}, result["gather_dtypes"]
+        assert result["shard_type"] is RECIPES[name][1]
+        ref_sent, fp8_sent = result["sent"]
+        assert {dtype for dtype, _ in ref_sent} == {torch.float32}
+        # FP8 bytes (MXFP8: both copies) and block scales, packed by FSDP2 into one uint8 buffer
+        assert {dtype for dtype, _ in fp8_sent} == {torch.uint8}
+        ratio = sum(n for _, n in fp8_sent) / sum(n for _, n in ref_sent)
+        assert ratio < (0.54 if name == "MXFP8BlockScaling" else 0.26), ratio
         assert sum("used as is" in r for r in result["reasons"]) >= 3, result["reasons"]
         for step, (ref, fp8) in enumerate(result["losses"]):
             assert_bitwise_equal(ref, fp8, f"{name} rank {rank} step {step}")
+        assert result["losses"][-1][0] != result["losses"][0][0], "training moved"
+        if name in ("MXFP8BlockScaling", "Float8BlockScaling"):
+            assert "must be the rank's whole shard" in result["error"], result["error"]
 
 
 # ---- model code we did not write ---------------------------------------------------------------------

@@ -22,6 +22,7 @@ moves a weight's bytes into a caller's buffer (a slice of one flat ZeRO buffer).
 
 from __future__ import annotations
 
+import math
 from typing import Optional, Sequence
 
 import torch
@@ -31,7 +32,7 @@ import torch.nn.functional as F
 from ..kernels.float8_block_quantize import FLOAT8_BLOCK
 from ..kernels.mxfp8_quantize import MXFP8_BLOCK, mxfp8_block_amax, mxfp8_cast, mxfp8_codes
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
-from .block_scaled_tensor import expand_block_scales, rows_cols
+from .block_scaled_tensor import BlockScaledTensor, expand_block_scales, rows_cols
 from .float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensor, Float8BlockwiseQTensorStorage
 from .float8_tensor import (
     Float8CurrentScalingQuantizer,
@@ -136,11 +137,35 @@ class _Logical:
             setattr(self._local, name, value)
 
 
-class _Item:
-    """One weight's share of the cast: its master range (flat, in the weight's dtype) or None."""
+def _block_shard(dtensor, dest, master: Optional[torch.Tensor], start: int, i: int) -> tuple:
+    """An FSDP2-sharded block-scaled weight: (its local shard, the master's offset in it). FSDP2 cuts
+    such a weight at block boundaries (fully_shard refuses other cuts), so the shard's blocks are
+    whole: the cast is local to the shard, with no amax reduction. The master must be the shard's
+    rows, all of them."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    def __init__(self, weight, master: Optional[torch.Tensor], start: int, quantizer, dest):
+    local = dtensor._local_tensor
+    if dest is not local and not (type(dest) is type(local) and dest.shape == local.shape):
+        raise ValueError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] must be the local shard "
+                         f"of model_weights[{i}] (a {type(local).__name__} of shape {tuple(local.shape)})")
+    _, offset = compute_local_shape_and_global_offset(dtensor.shape, dtensor.device_mesh, dtensor.placements)
+    row0 = offset[0] * math.prod(dtensor.shape[1:-1])
+    local_start = start - row0 * dtensor.shape[-1]
+    got = 0 if master is None else master.numel()
+    if (master is None) != (local.numel() == 0) or (master is not None and (local_start != 0 or got != local.numel())):
+        raise ValueError(f"cast_master_weights_to_fp8: master_weights[{i}] must be the rank's whole shard of the "
+                         f"block-scaled weight: {local.numel()} elements from offset {row0 * dtensor.shape[-1]}, "
+                         f"got {got} from {start}")
+    return dest, 0
+
+
+class _Item:
+    """One weight's share of the cast: its master range (flat, in the weight's dtype) or None.
+    ``local``: its amaxes are the whole story (a block-scaled FSDP2 shard): no all-reduce."""
+
+    def __init__(self, weight, master: Optional[torch.Tensor], start: int, quantizer, dest, local: bool = False):
         self.weight, self.master, self.start, self.quantizer, self.dest = weight, master, start, quantizer, dest
+        self.local = local
         self.m, self.k = rows_cols(weight.shape)
 
     @property
@@ -311,8 +336,10 @@ def cast_master_weights_to_fp8(
     as an unquantized model would round it before quantizing. quantizers: per weight, default the
     weight's own (quantized_model_init sets it). amax_reduce_group: the ranks that share the weights
     (the data-parallel group); required when master weights are sharded. fsdp_shard_model_weights:
-    per weight, where the bytes go instead of the model weight (an FSDP local shard: a Float8Tensor or
-    its uint8 bytes, the same elements as master_weights[i]); per-tensor formats only.
+    for FSDP2-sharded model weights (DTensors), the local shards where the bytes go: a Float8Tensor (or
+    its uint8 bytes) holding the same elements as master_weights[i], or a block-scaled shard (MXFP8,
+    Float8 block), whose master is the rank's whole shard (FSDP2 cuts those weights at block
+    boundaries, so their scales need no reduction).
     manual_post_all_gather_processing: keep derived copies (transposes) as they are; the caller calls
     ``post_all_gather_processing`` after gathering the bytes. Otherwise they are dropped (the GEMMs
     derive them from the rowwise bytes where needed).
@@ -335,6 +362,7 @@ def cast_master_weights_to_fp8(
     items, kinds = [], []
     for i, (weight, master, quantizer, start, dest) in enumerate(
             zip(model_weights, master_weights, quantizers, start_offsets, dests)):
+        local = False
         if _is_dtensor(weight):
             # an FSDP2-sharded weight: the scales live in the local shard (the same on every rank),
             # the bytes go to the shard passed in fsdp_shard_model_weights
@@ -342,7 +370,11 @@ def cast_master_weights_to_fp8(
                 raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] is sharded (a DTensor); "
                                  f"pass its local shard in fsdp_shard_model_weights")
             quantizer = quantizer if quantizer is not None else getattr(weight._local_tensor, "_quantizer", None)
-            weight = _Logical(weight)
+            if isinstance(weight._local_tensor, BlockScaledTensor):
+                weight, start = _block_shard(weight, dest, master, start or 0, i)
+                dest, local = None, True
+            else:
+                weight = _Logical(weight)
         if quantizer is None:
             raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] has no quantizer (not made by "
                              f"quantized_model_init); pass quantizers=")
@@ -354,27 +386,26 @@ def cast_master_weights_to_fp8(
             master = master.detach().reshape(-1).to(device=weight.device, dtype=weight.dtype)
         if dest is not None:
             if kind is not _PerTensor:
-                raise NotImplementedError("cast_master_weights_to_fp8: fsdp_shard_model_weights is supported "
-                                          "for per-tensor FP8 weights only")
+                raise NotImplementedError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] with a "
+                                          f"whole block-scaled model_weights[{i}]: pass the FSDP2 parameter "
+                                          f"(the DTensor) as the model weight")
             if master is None or dest.numel() != master.numel():
                 raise ValueError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] must hold the "
                                  f"same elements as master_weights[{i}]")
         if isinstance(weight, (QuantizedTensor, _Logical)):
             weight.clear_high_precision_init_val()
-        items.append(_Item(weight, master, start or 0, quantizer, dest))
+        items.append(_Item(weight, master, start or 0, quantizer, dest, local))
         kinds.append(kind)
 
-    sharded = any(it.master is None or it.master.numel() != it.weight.numel() for it in items)
+    sharded = any(not it.local and (it.master is None or it.master.numel() != it.weight.numel()) for it in items)
     if sharded and amax_reduce_group is None and dist.is_initialized() and dist.get_world_size() > 1:
         raise ValueError("cast_master_weights_to_fp8: master weights are sharded, so the amaxes must be "
                          "all-reduced: pass amax_reduce_group (the data-parallel group)")
 
-    # One packed MAX all-reduce for every amax of every weight.
+    # One packed MAX all-reduce for every amax of every weight (but those of whole-block shards).
     local = [kind.amaxes(item) for kind, item in zip(kinds, items)]
-    flat = [a for per_item in local for a in per_item]
-    if not flat:
-        return
-    if amax_reduce_group is not None:
+    flat = [a for item, per_item in zip(items, local) if not item.local for a in per_item]
+    if flat and amax_reduce_group is not None:
         packed = torch.cat([a.reshape(-1).to(flat[0].device) for a in flat])
         dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=amax_reduce_group)
         offset = 0
