@@ -478,7 +478,8 @@ class _Layers(nn.Module):
         return x
 
 
-def _fsdp_rank(rank: int, name: str) -> dict:
+def _fsdp_rank(rank: int, name: str, ckpt: str) -> dict:
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.fsdp import fully_shard
 
     recipe, _ = RECIPES[name]
@@ -534,6 +535,20 @@ def _fsdp_rank(rank: int, name: str) -> dict:
                                            fsdp_shard_model_weights=[p.to_local() for p in params])
     finally:
         dist.all_gather_single = patched
+    # torch.distributed.checkpoint round trip of the sharded FP8 weights: save, move the weights
+    # (a cast of other masters), load: the outputs are back to the saved ones, bit for bit
+    params = list(fp8.parameters())
+    with torch.no_grad():
+        saved_out = fp8(x)
+        dcp.save(fp8.state_dict(), checkpoint_id=ckpt)
+        cast_master_weights_to_fp8(params, [0.5 * m for m in masters], start_offsets=starts,
+                                   amax_reduce_group=dist.group.WORLD,
+                                   fsdp_shard_model_weights=[p.to_local() for p in params])
+        moved_out = fp8(x)
+        state = fp8.state_dict()
+        dcp.load(state, checkpoint_id=ckpt)
+        fp8.load_state_dict(state)
+        loaded_out = fp8(x)
     error = None
     if isinstance(recipe, (MXFP8BlockScaling, Float8BlockScaling)):
         # a block-scaled shard's master must be the rank's whole shard (its blocks are cast locally)
@@ -545,6 +560,7 @@ def _fsdp_rank(rank: int, name: str) -> dict:
             error = str(e)
     used = [r.reason for r in te_compile.report().sites if r.op == "linear"]
     return {"losses": losses, "sent": sent, "reasons": used, "error": error,
+            "dcp": (saved_out, moved_out, loaded_out, type(params[0].to_local())),
             "shard_type": type(next(fp8.parameters()).to_local())}
 
 
@@ -552,7 +568,7 @@ def _fsdp_rank(rank: int, name: str) -> dict:
 def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
-    for rank, result in enumerate(run_ranks(_fsdp_rank, tmp_path, name)):
+    for rank, result in enumerate(run_ranks(_fsdp_rank, tmp_path, name, str(tmp_path / "ckpt"))):
         assert result["shard_type"] is RECIPES[name][1]
         ref_sent, fp8_sent = result["sent"]
         assert {dtype for dtype, _ in ref_sent} == {torch.float32}
@@ -564,6 +580,10 @@ def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
         for step, (ref, fp8) in enumerate(result["losses"]):
             assert_bitwise_equal(ref, fp8, f"{name} rank {rank} step {step}")
         assert result["losses"][-1][0] != result["losses"][0][0], "training moved"
+        saved_out, moved_out, loaded_out, loaded_type = result["dcp"]
+        assert not torch.equal(saved_out, moved_out), "the cast moved the weights"
+        assert loaded_type is RECIPES[name][1]
+        assert_bitwise_equal(saved_out, loaded_out, f"{name} rank {rank}: DCP round trip")
         if name in ("MXFP8BlockScaling", "Float8BlockScaling"):
             assert "must be the rank's whole shard" in result["error"], result["error"]
 
