@@ -469,9 +469,18 @@ def _select(func, args, kwargs):
 
 def _pieces(self, sizes):
     out, start = [], 0
-    for size in sizes:
-        out.append(_cut(self, start, start + size))
-        start += size
+    try:
+        for size in sizes:
+            out.append(_cut(self, start, start + size))
+            start += size
+    except RuntimeError as e:
+        # FSDP2's fully_shard cuts every parameter this way (torch.chunk over the ranks)
+        raise RuntimeError(
+            f"{e}. (Splitting into pieces of {list(sizes)} rows. If this is FSDP2 sharding an FP8 primary "
+            f"weight over {len(sizes)} ranks, each rank's rows must be whole blocks: build this linear in "
+            f"high precision with te_compile.quantized_model_init(enabled=False), or shard over a world "
+            f"size that divides its rows into whole blocks.)"
+        ) from e
     return out
 
 
