@@ -25,19 +25,26 @@ def setup() -> tuple[int, int, torch.device]:
 
 
 def train(compiled, model: torch.nn.Module, device: torch.device, gen: torch.Generator, rank: int, steps: int,
-          *, mean_over_ranks: bool) -> None:
+          *, mean_over_ranks: bool, masters=None) -> None:
     """``steps`` AdamW steps of the compiled GPT on batches from ``gen``; rank 0 prints each step's
-    loss, averaged over the ranks when they train on different data (``mean_over_ranks``)."""
+    loss, averaged over the ranks when they train on different data (``mean_over_ranks``).
+    ``masters``: fp32 master weights of FP8 primary weights (``params``, ``take_grads()`` before the
+    step, ``cast()`` after it); AdamW updates those instead of the FP8 weights."""
     from te_compile.data import get_batch
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    params = list(model.parameters()) if masters is None else masters.params
+    opt = torch.optim.AdamW(params, lr=1e-3)
     world = dist.get_world_size()
     for step in range(1, steps + 1):
         x, y = (t.to(device) for t in get_batch("train", 8, model.block_size, gen))
         _, loss = compiled(x, y)
         loss.backward()
+        if masters is not None:
+            masters.take_grads()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if masters is not None:
+            masters.cast()
         if mean_over_ranks:
             mean = loss.detach().clone()
             dist.all_reduce(mean)
