@@ -276,7 +276,6 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
         fields.update({name[1:]: value for name, value in zip(cls._META, meta)})
         return cls(shape=outer_size, dtype=dtype, **fields)
 
-
     # ---- FSDP2 all-gather extension ------------------------------------------------------------
     # A block-scaled shard (an FP8 primary weight sharded by fully_shard, or te_compile/fsdp.py's
     # quantized high-precision shard) gathers its own buffers: rows split at block boundaries hold

@@ -84,6 +84,12 @@ class Float8BlockwiseQTensor(BlockScaledTensor, Float8BlockwiseQTensorStorage):
     # is derived from the gathered rowwise copy where a GEMM needs it
     _FSDP_GATHERED = ("_rowwise_data", "_rowwise_scale_inv")
 
+    def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
+        if not self._is_2D_scaled:
+            raise NotImplementedError("Float8BlockwiseQTensor with 1x128 blocks cannot be all-gathered by FSDP2 "
+                                      "in its quantized form: its columnwise copy is not the rowwise one's transpose")
+        return super().fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
     def _default_quantizer(self):
         return Float8BlockQuantizer(self._fp8_dtype, rowwise=True, columnwise=True,
                                     block_scaling_dim=2 if self._is_2D_scaled else 1)
