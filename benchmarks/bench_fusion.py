@@ -5,7 +5,12 @@ generated kernels, FP8 casts in the forward, and bytes saved for backward; te re
     python benchmarks/bench_fusion.py --size 8x128x256 --layers 2 --device cuda
 
 - kernels: ``torch._inductor.metrics.generated_kernel_count`` over a cold compile of forward and
-  backward (the FX-graph cache is switched off so every provider generates its code);
+  backward (the FX-graph cache is switched off so every provider generates its code). It counts
+  every ``Kernel`` object codegen builds; on CPU the C++ backend builds several per loop nest
+  (scalar, vectorized and tail variants), so this grows with the loop nests inside a kernel, not
+  with the kernels a step runs;
+- distinct: the kernels the generated forward and backward code defines (``... = async_compile...``),
+  i.e. what a step can launch besides extern ops;
 - launches: the kernel calls in the generated forward and backward code (cpp / Triton kernels,
   extern GEMMs, other ops): what one step runs. On CPU the C++ backend fuses a norm or an activation
   with the amax and the FP8 cast in one kernel, so launches can stay close while kernels double;
@@ -77,6 +82,7 @@ class _ForwardGraphs:
         cfx.compile_fx = self._original
 
 
+_DEFINED = re.compile(r"^\w+ = async_compile\.\w+\(", re.MULTILINE)
 _LAUNCH = re.compile(r"^\s+(?:\w+ = )?(cpp_fused_\w+|triton_\w+\.run|extern_kernels\.\w+|torch\.ops\.[\w.]+)\(",
                      re.MULTILINE)
 
@@ -110,6 +116,9 @@ class _GeneratedCode:
     def launches(self) -> int:
         return sum(len(_LAUNCH.findall(src)) for src in self.sources)
 
+    def defined(self) -> int:
+        return sum(len(_DEFINED.findall(src)) for src in self.sources)
+
 
 def _measure(provider: str, model, x, y, rewrite=None) -> dict:
     from torch._inductor import metrics
@@ -124,7 +133,7 @@ def _measure(provider: str, model, x, y, rewrite=None) -> dict:
         saved = saved_bytes(compiled, x, y)
     name = provider if provider == "inductor" else f"te {provider}{', norms unfused' if rewrite else ''}"
     return {"provider": name,
-            "kernels": metrics.generated_kernel_count, "launches": code.launches(),
+            "kernels": metrics.generated_kernel_count, "distinct": code.defined(), "launches": code.launches(),
             "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
 
 
@@ -149,11 +158,13 @@ def main() -> None:
         rows.append(row)
         print(f"{row['provider']}: done", flush=True)
     base = rows[0]
-    table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["launches"],
+    table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["distinct"],
+              f"{r['distinct'] / base['distinct']:.2f}x", r["launches"],
               f"{r['launches'] / base['launches']:.2f}x", r["fp8 casts (fwd)"],
               f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x") for r in rows]
     print(f"\nGPT {args.layers} block(s), {args.size} on {device.type}, torch {torch.__version__}")
-    headers = ["provider", "kernels", "vs inductor", "launches", "vs inductor", "fp8 casts (fwd)", "saved MiB",
+    headers = ["provider", "kernels", "vs inductor", "distinct", "vs inductor", "launches", "vs inductor",
+               "fp8 casts (fwd)", "saved MiB",
                "saved vs inductor"]
     print(tabulate(table, headers=headers, disable_numparse=True))
 
