@@ -1,0 +1,120 @@
+"""FP8 attention's numerics (te_compile/kernels/fp8_attention.py): the reference forward against fp32
+SDPA for every mask form the SDPA sites take, its online softmax, and its edge rows."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from te_compile.kernels.fp8_attention import P_SCALE, fp8_attention_forward_reference, quantize_heads
+from utils import assert_bitwise_equal, assert_sqnr_at_least, sqnr
+
+
+def _qkv(b=2, h=4, hkv=4, tq=96, tk=96, d=64, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, h, tq, d, generator=gen)
+    k = torch.randn(b, hkv, tk, d, generator=gen)
+    v = torch.randn(b, hkv, tk, d, generator=gen)
+    # heads of different magnitudes: per-(batch, head) scales must follow them
+    q = q * torch.logspace(-1, 0, h)[None, :, None, None]
+    return q, k, v
+
+
+def _fp8(q, k, v, **kwargs):
+    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
+    kwargs.setdefault("sm_scale", 1 / math.sqrt(q.shape[-1]))
+    return fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, **kwargs)
+
+
+def test_quantize_heads_scales_each_head():
+    q, _, _ = _qkv()
+    q8, descale = quantize_heads(q)
+    assert q8.dtype == torch.float8_e4m3fn and descale.shape == (2, 4)
+    # each head's largest magnitude lands on E4M3's largest value
+    assert_bitwise_equal(q8.float().abs().amax(dim=(-2, -1)), torch.full((2, 4), 448.0))
+    # descale = 1 / scale with the recipes' scale = 448 / amax
+    assert_bitwise_equal(descale, torch.div(1.0, torch.div(448.0, q.abs().amax(dim=(-2, -1)))))
+    assert_sqnr_at_least(q, q8.float() * descale[..., None, None], 25.0, "per-head E4M3")
+    zeros8, zeros_descale = quantize_heads(torch.zeros(1, 2, 4, 8))
+    assert not zeros8.float().any() and torch.equal(zeros_descale, torch.ones(1, 2))
+
+
+MASKS = ["none", "causal", "bool", "float", "causal-rect"]
+
+
+@pytest.mark.parametrize("form", MASKS)
+def test_forward_against_fp32_sdpa(form):
+    q, k, v = _qkv(tk=160 if form == "causal-rect" else 96)
+    kwargs, sdpa = {}, {}
+    if form.startswith("causal"):
+        kwargs["causal"] = sdpa["is_causal"] = True
+    elif form == "bool":
+        keep = torch.rand(2, 1, 96, 96, generator=torch.Generator().manual_seed(3)) > 0.3
+        keep[..., 0] = True   # every query sees a key
+        kwargs["mask"] = sdpa["attn_mask"] = keep
+    elif form == "float":
+        bias = torch.randn(1, 4, 96, 96, generator=torch.Generator().manual_seed(4))
+        kwargs["mask"] = sdpa["attn_mask"] = bias
+    ref = F.scaled_dot_product_attention(q, k, v, **sdpa)
+    o, lse = _fp8(q, k, v, **kwargs)
+    assert_sqnr_at_least(ref, o, 25.0, form)
+    # lse is the log of the softmax denominator of the fp32 scores (no FP8 rounding of P in it)
+    s = (q @ k.transpose(-2, -1)) / math.sqrt(64)
+    if form.startswith("causal"):
+        s = s.masked_fill(~torch.ones(96, k.shape[2], dtype=torch.bool).tril(), float("-inf"))
+    elif form == "bool":
+        s = s.masked_fill(~kwargs["mask"], float("-inf"))
+    elif form == "float":
+        s = s + kwargs["mask"]
+    assert sqnr(torch.logsumexp(s, dim=-1), lse) > 30.0
+
+
+def test_grouped_query_heads_match_repeated_kv():
+    q, k, v = _qkv(h=8, hkv=2)
+    ref = F.scaled_dot_product_attention(q, k, v, enable_gqa=True, is_causal=True)
+    o, _ = _fp8(q, k, v, causal=True)
+    assert_sqnr_at_least(ref, o, 25.0, "GQA")
+    # the same as giving each query head its own copy of its key/value head
+    o_rep, _ = _fp8(q, k.repeat_interleave(4, dim=1), v.repeat_interleave(4, dim=1), causal=True)
+    assert_bitwise_equal(o, o_rep, "GQA vs repeated heads")
+
+
+def test_online_softmax_depends_on_the_block_only_through_p_rounding():
+    q, k, v = _qkv()
+    outs = [_fp8(q, k, v, causal=True, block_n=n)[0] for n in (16, 64, 96)]
+    # P is quantized relative to the running max, so block sizes give slightly different bytes...
+    assert not torch.equal(outs[0], outs[2])
+    # ...but the same attention to well within the FP8 error
+    for o in outs[:2]:
+        assert sqnr(outs[2], o) > 35.0
+
+
+def test_p_uses_the_fixed_scale():
+    # one key: p = 1 exactly, quantized to 448 and descaled back to 1: o is v's dequantized row
+    q, k, v = _qkv(tq=4, tk=1)
+    o, lse = _fp8(q, k, v)
+    v8, vd = quantize_heads(v)
+    expect = (v8.float() * vd[..., None, None]).expand_as(o)
+    assert P_SCALE == 448.0
+    # (448 * v8) * (descale / 448): equal to v8 * descale up to the rounding of the two products
+    torch.testing.assert_close(o, expect, rtol=3e-7, atol=0)
+    assert torch.isfinite(lse).all()
+
+
+def test_fully_masked_rows_give_zero_and_minus_inf():
+    q, k, v = _qkv(tq=8, tk=8)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    o, lse = _fp8(q, k, v, mask=keep)
+    assert not o[:, :, 3].any() and torch.isneginf(lse[:, :, 3]).all()
+    assert torch.isfinite(o).all() and torch.isfinite(lse[:, :, [0, 1, 2, 4, 5, 6, 7]]).all()
+
+
+def test_output_dtype():
+    q, k, v = (t.to(torch.bfloat16) for t in _qkv())
+    o, lse = _fp8(q, k, v, out_dtype=torch.bfloat16)
+    assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    assert_sqnr_at_least(F.scaled_dot_product_attention(q.float(), k.float(), v.float()), o.float(), 25.0)
