@@ -77,12 +77,14 @@ class MasterShards:
     def __init__(self, model, init_values: dict) -> None:
         named = dict(model.named_parameters())
         self.weights = [named[name] for name in init_values]
+        self.params = [p for name, p in named.items() if name not in init_values]
         self.masters, self.starts = [], []
-        for name, hp in init_values.items():
+        for name in list(init_values):
+            hp = init_values.pop(name)   # the whole weight's initial values: only this rank's rows stay
             rows = -(-hp.shape[0] // world)
             self.masters.append(hp.chunk(world)[rank].reshape(-1).to(device, torch.float32).requires_grad_())
             self.starts.append(rank * rows * hp.shape[1])
-        self.params = [p for name, p in named.items() if name not in init_values] + self.masters
+        self.params += self.masters
 
     def take_grads(self) -> None:
         for weight, master in zip(self.weights, self.masters):
