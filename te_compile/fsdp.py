@@ -57,7 +57,7 @@ from .primary_weights import weight_quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
-from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_padded_shard, fsdp_refill
+from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
@@ -202,7 +202,8 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
         """The local shard as FP8 bytes [ceil(rows / world), ...] (FSDP's padded shard size) and,
-        as metadata, the whole weight's scale_inv [1] and amax [1] and the slot's quantizer."""
+        as metadata, the whole weight's scale_inv [1], its amax [1] (delayed scaling) and the slot's
+        quantizer: a Float8Tensor shard's all-gather."""
         slot = self._book.slots[self._slot]
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
             raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
@@ -217,8 +218,11 @@ class Fp8AllGatherWeight(torch.Tensor):
         # process quantizing the unsharded weight would make
         scale = None if slot.quantizer is None else slot.quantizer.scale   # delayed: the graph's scale
         data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, scale, amax)
-        data = fsdp_padded_shard(data.view(torch.uint8), orig_size, mesh.size())
-        return (data,), (scale_inv, slot.recipe.fp8_format.dtype_for("weight"), amax, slot.quantizer)
+        # then gathered as a Float8Tensor shard gathers itself; delayed scaling's weight carries the
+        # whole weight's amax for the graph's history (current scaling: none)
+        shard = Float8Tensor(data=data.view(torch.uint8), scale_inv=scale_inv, fp8_dtype=data.dtype, dtype=dtype,
+                             amax=None if slot.quantizer is None else amax, quantizer=slot.quantizer)
+        return shard.fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
 
     def _block_pre_all_gather(self, slot, mesh, orig_size, dtype):
         """MXFP8 / Float8 block: the shard quantized on its own (its rows are whole blocks, so its
@@ -234,14 +238,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         scaled tensor over the gathered buffers."""
         if isinstance(metadata, FsdpBlockMeta):
             return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
-        (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
-        if out is not None:
-            fsdp_refill(out, data, scale_inv, amax)
-            return None
-        # delayed scaling's weight carries its amax for the graph's history (current scaling: none)
-        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
-                              amax=None if quantizer is None else amax.clone(), quantizer=quantizer)
-        return weight, (data,)
+        return fsdp_float8_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
 
 def _block_shard_problem(weight: torch.Tensor, recipe) -> Optional[str]:

@@ -239,22 +239,16 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
     # whole weight's, the same on every shard (cast_master_weights_to_fp8 all-reduces the amax).
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """(the shard's bytes padded to FSDP's padded shard rows,), (scale_inv, fp8 dtype, amax)."""
+        """(the shard's bytes padded to FSDP's padded shard rows,), (scale_inv, fp8 dtype, amax,
+        quantizer)."""
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
             raise RuntimeError(f"FP8 all-gather needs the weight sharded on dim 0 (rows); shard "
                                f"{list(self.shape)} of {list(orig_size)}")
         data = fsdp_padded_shard(self._rowwise_data(), orig_size, mesh.size())
-        return (data,), (self._scale_inv, self._fp8_dtype, self._amax)
+        return (data,), (self._scale_inv, self._fp8_dtype, self._amax, self._quantizer)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
-        """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided)."""
-        (data,), (scale_inv, fp8_dtype, amax) = all_gather_outputs, metadata
-        if out is not None:
-            fsdp_refill(out, data, scale_inv, amax)
-            return None
-        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
-                              amax=None if amax is None else amax.clone(), quantizer=self._quantizer)
-        return weight, (data,)
+        return fsdp_float8_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
     # torch.compile: the buffers are the inner tensors; the format travels in the context.
     def __tensor_flatten__(self):
@@ -290,10 +284,19 @@ def fsdp_padded_shard(data: torch.Tensor, orig_size, world: int) -> torch.Tensor
     return padded
 
 
-def fsdp_refill(out: "Float8Tensor", data: torch.Tensor, scale_inv: torch.Tensor, amax) -> None:
-    """FSDP2 re-gathers into the buffer ``out`` already views: only the scale (and amax) are new.
-    A compiled forward may have saved them for backward, and the re-gather in backward writes the
-    same values, so their version counters stay put."""
+def fsdp_float8_post_all_gather(all_gather_outputs, metadata, param_dtype, *, out=None):
+    """FSDP2's post-all-gather of a Float8Tensor shard's bytes: a Float8Tensor over the gathered
+    bytes (FSDP trims the padding with as_strided) with the shard's scale, amax (delayed scaling's,
+    for the graph's history) and quantizer.
+
+    On a re-gather into the buffer ``out`` already views only the scale (and amax) are new. A
+    compiled forward may have saved them for backward, and the re-gather in backward writes the same
+    values, so their version counters stay put."""
+    (data,), (scale_inv, fp8_dtype, amax, quantizer) = all_gather_outputs, metadata
+    if out is None:
+        weight = Float8Tensor(data=data, scale_inv=scale_inv.clone(), fp8_dtype=fp8_dtype, dtype=param_dtype,
+                              amax=None if amax is None else amax.clone(), quantizer=quantizer)
+        return weight, (data,)
     if out._data.untyped_storage().data_ptr() != data.untyped_storage().data_ptr():
         raise RuntimeError("FSDP2 re-gathered an FP8 weight into a new buffer; expected the buffer of "
                            "the first all-gather")
@@ -301,6 +304,7 @@ def fsdp_refill(out: "Float8Tensor", data: torch.Tensor, scale_inv: torch.Tensor
         if dst is not None:
             with torch.autograd._unsafe_preserve_version_counter(dst):
                 dst.copy_(src)
+    return None
 
 
 # ---- quantizers -----------------------------------------------------------------------------------
