@@ -52,7 +52,7 @@ import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
 from .lowerings.fp8_linear import _quantize_per_tensor
-from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
+from .passes.eligibility import weight_ineligibility
 from .primary_weights import weight_quantizer
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
 from .scaling import tensor_amax
@@ -275,12 +275,10 @@ def _linear_weights(model: nn.Module, config: TeConfig):
                             f"MXFP8BlockScaling and Float8BlockScaling")
         elif isinstance(module.weight, Fp8AllGatherWeight):
             skipped[fqn] = "already wrapped"
-        elif module.weight.dtype not in FLOAT_DTYPES:
-            skipped[fqn] = f"weight dtype {module.weight.dtype} is not one of fp32, bf16, fp16"
-        elif any(d % gemm_alignment(recipe)[0] for d in module.weight.shape):
-            # the linear pass leaves such a linear in high precision (its eligibility check);
-            # an FP8-gathered weight would only lose precision there
-            skipped[fqn] = f"weight {list(module.weight.shape)}: {gemm_alignment(recipe)[1]}"
+        elif why := weight_ineligibility(module.weight, recipe):
+            # the linear pass leaves such a linear in high precision; an FP8-gathered weight would
+            # only lose precision there
+            skipped[fqn] = why
         elif isinstance(recipe, BLOCK_RECIPES) and (why := _block_shard_problem(module.weight, recipe)):
             skipped[fqn] = why
         else:

@@ -35,7 +35,7 @@ import torch.nn as nn
 
 from .config import resolve_config
 from .lowerings.quantizers import quantizer_factory
-from .passes.eligibility import FLOAT_DTYPES, gemm_alignment
+from .passes.eligibility import weight_ineligibility
 from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
 from .scaling import tensor_amax
 from .state import state_for
@@ -112,20 +112,9 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
     return quantizer
 
 
-def _eligible(linear: nn.Linear, recipe: Recipe) -> Optional[str]:
-    weight = linear.weight
-    if weight.dtype not in FLOAT_DTYPES:
-        return f"dtype {weight.dtype} (needs one of {FLOAT_DTYPES})"
-    multiple, why = gemm_alignment(recipe)
-    n, k = weight.shape
-    if n % multiple or k % multiple:
-        return f"shape {tuple(weight.shape)}: {why}"
-    return None
-
-
 def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
     """Replace ``linear.weight`` by a quantized parameter holding the same values."""
-    why = _eligible(linear, spec.recipe)
+    why = weight_ineligibility(linear.weight, spec.recipe)
     if why is not None:
         log.info("quantized_model_init: %s stays in high precision: %s", type(linear).__name__, why)
         return

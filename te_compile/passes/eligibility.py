@@ -12,7 +12,7 @@ from ..recipe import Recipe
 from .matching import shape_text
 from .sites import LinearSite
 
-__all__ = ["linear_ineligibility", "shape_str", "FLOAT_DTYPES", "gemm_alignment"]
+__all__ = ["linear_ineligibility", "weight_ineligibility", "shape_str", "FLOAT_DTYPES", "gemm_alignment"]
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _DEVICES = ("cpu", "cuda")
@@ -30,6 +30,18 @@ _DEFAULT_ALIGN = (16, "FP8 GEMMs need K and N % 16 == 0")
 def gemm_alignment(recipe: Recipe) -> tuple[int, str]:
     """(the multiple K and N must be of under ``recipe``, why)."""
     return _ALIGN.get(recipe.name, _DEFAULT_ALIGN)
+
+
+def weight_ineligibility(weight: torch.Tensor, recipe: Recipe) -> Optional[str]:
+    """Why an ``nn.Linear`` weight [N, K] cannot be ``recipe``'s GEMM operand (its dtype, its
+    alignment), as the linear pass judges it, or None. For what acts on weights before any graph
+    exists: FSDP2's FP8 all-gather and FP8 primary weights."""
+    if weight.dtype not in FLOAT_DTYPES:
+        return f"weight dtype {weight.dtype} is not one of fp32, bf16, fp16"
+    align, why = gemm_alignment(recipe)
+    if any(d % align for d in weight.shape):
+        return f"weight {list(weight.shape)}: {why}"
+    return None
 
 
 def _value(node) -> Optional[torch.Tensor]:
