@@ -137,11 +137,11 @@ class _Logical:
             setattr(self._local, name, value)
 
 
-def _block_shard(dtensor, dest, master: Optional[torch.Tensor], start: int, i: int) -> tuple:
-    """An FSDP2-sharded block-scaled weight: (its local shard, the master's offset in it). FSDP2 cuts
-    such a weight at block boundaries (fully_shard refuses other cuts), so the shard's blocks are
-    whole: the cast is local to the shard, with no amax reduction. The master must be the shard's
-    rows, all of them."""
+def _block_shard(dtensor, dest, master: Optional[torch.Tensor], start: int, i: int):
+    """The local shard an FSDP2-sharded block-scaled weight's bytes go to. FSDP2 cuts such a weight
+    at block boundaries (fully_shard refuses other cuts), so the shard's blocks are whole: the cast
+    is local to the shard, with no amax reduction. The master must be the shard's rows, all of them
+    (raises otherwise), so it starts at the shard's first element."""
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     local = dtensor._local_tensor
@@ -156,7 +156,7 @@ def _block_shard(dtensor, dest, master: Optional[torch.Tensor], start: int, i: i
         raise ValueError(f"cast_master_weights_to_fp8: master_weights[{i}] must be the rank's whole shard of the "
                          f"block-scaled weight: {local.numel()} elements from offset {row0 * dtensor.shape[-1]}, "
                          f"got {got} from {start}")
-    return dest, 0
+    return dest
 
 
 class _Item:
@@ -371,8 +371,8 @@ def cast_master_weights_to_fp8(
                                  f"pass its local shard in fsdp_shard_model_weights")
             quantizer = quantizer if quantizer is not None else getattr(weight._local_tensor, "_quantizer", None)
             if isinstance(weight._local_tensor, BlockScaledTensor):
-                weight, start = _block_shard(weight, dest, master, start or 0, i)
-                dest, local = None, True
+                weight = _block_shard(weight, dest, master, start or 0, i)
+                start, dest, local = 0, None, True
             else:
                 weight = _Logical(weight)
         if quantizer is None:
