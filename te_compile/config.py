@@ -491,4 +491,3 @@ def config_argument(config: Union[str, os.PathLike, TeConfig, None], options: Ma
     if config is not None:
         return resolve_config({"config": os.fspath(config), **options}) if options else load_config(config)
     return resolve_config(dict(options) or None)
-

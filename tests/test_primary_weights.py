@@ -523,10 +523,8 @@ def _fsdp_rank(rank: int, name: str, ckpt: str) -> dict:
                 pair.append(loss.detach())
                 sent.append(list(gathered))
             losses.append(pair)
+            _sgd(0.5, ref.parameters())
             with torch.no_grad():
-                for p in ref.parameters():
-                    p -= 0.5 * p.grad
-                    p.grad = None
                 params = list(fp8.parameters())
                 for p, master in zip(params, masters):
                     master -= 0.5 * p.grad.to_local().reshape(-1)
