@@ -107,6 +107,15 @@ def _check_flags(recipe: str, obj, *names: str) -> None:
         _check_type(recipe, name, getattr(obj, name), (bool,), "a bool")
 
 
+FP8_DPA_BACKWARDS = ("high_precision", "fp8")
+
+
+def _check_attention(recipe: str, obj) -> None:
+    """The attention fields every recipe has: fp8_dpa, fp8_mha, fp8_dpa_backward."""
+    _check_flags(recipe, obj, "fp8_dpa", "fp8_mha")
+    _check_choice(recipe, "fp8_dpa_backward", obj.fp8_dpa_backward, FP8_DPA_BACKWARDS)
+
+
 def _check_epsilon(recipe: str, value) -> None:
     _check_type(recipe, "amax_epsilon", value, (int, float), "a non-negative float")
     if not value >= 0.0 or math.isinf(value):
@@ -167,6 +176,8 @@ class DelayedScaling(Recipe):
     reduce_amax: bool = True
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         n = "DelayedScaling"
@@ -184,7 +195,8 @@ class DelayedScaling(Recipe):
                 f"{n}.scaling_factor_compute_algo must be None or a callable, "
                 f"got {self.scaling_factor_compute_algo!r}"
             )
-        _check_flags(n, self, "reduce_amax", "fp8_dpa", "fp8_mha")
+        _check_flags(n, self, "reduce_amax")
+        _check_attention(n, self)
 
 
 @dataclass(frozen=True)
@@ -198,13 +210,15 @@ class Float8CurrentScaling(Recipe):
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         n = "Float8CurrentScaling"
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
         _check_flags(n, self, "use_power_2_scales")
         _check_epsilon(n, self.amax_epsilon)
-        _check_flags(n, self, "fp8_dpa", "fp8_mha")
+        _check_attention(n, self)
 
 
 @dataclass(frozen=True)
@@ -214,11 +228,13 @@ class MXFP8BlockScaling(Recipe):
     fp8_format: Format = Format.E4M3
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         n = "MXFP8BlockScaling"
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        _check_flags(n, self, "fp8_dpa", "fp8_mha")
+        _check_attention(n, self)
 
 
 @dataclass(frozen=True)
@@ -234,6 +250,8 @@ class Float8BlockScaling(Recipe):
     amax_epsilon: float = 0.0
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         n = "Float8BlockScaling"
@@ -248,7 +266,7 @@ class Float8BlockScaling(Recipe):
                 f"{n}: x_block_scaling_dim and grad_block_scaling_dim must be 1 (only weights use "
                 f"2-D blocks), got {self.x_block_scaling_dim} and {self.grad_block_scaling_dim}"
             )
-        _check_flags(n, self, "fp8_dpa", "fp8_mha")
+        _check_attention(n, self)
 
 
 @dataclass(frozen=True)
@@ -265,13 +283,15 @@ class NVFP4BlockScaling(Recipe):
     disable_2d_quantization: bool = False
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         n = "NVFP4BlockScaling"
         _check_format(n, "fp4_format", self.fp4_format, (Format.E2M1,))
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3,))
-        _check_flags(n, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
-                     "fp8_dpa", "fp8_mha")
+        _check_flags(n, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
+        _check_attention(n, self)
 
 
 @dataclass(frozen=True)
@@ -281,13 +301,15 @@ class CustomRecipe(Recipe):
     qfactory: Callable = field(default=None)
     fp8_dpa: bool = False
     fp8_mha: bool = False
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         if not callable(self.qfactory):
             raise ValueError(
                 f"CustomRecipe.qfactory must be a callable role -> Quantizer, got {self.qfactory!r}"
             )
-        _check_flags("CustomRecipe", self, "fp8_dpa", "fp8_mha")
+        _check_attention("CustomRecipe", self)
 
 
 # Recipe classes by the name a config file uses.

@@ -403,7 +403,30 @@ def test_error_unknown_recipe_name(error_for):
 def test_error_unknown_recipe_option(error_for):
     message = error_for('recipe = "MXFP8BlockScaling"\n[recipe_options]\nmargin = 0\n')
     assert message == ("bad.toml: recipe_options.margin: unknown option of MXFP8BlockScaling; "
-                       "allowed: ['fp8_format', 'fp8_dpa', 'fp8_mha']")
+                       "allowed: ['fp8_format', 'fp8_dpa', 'fp8_mha', 'fp8_dpa_backward']")
+
+
+def test_fp8_dpa_backward_in_recipe_options_and_overrides(tmp_path):
+    path = write(tmp_path / "attn.toml", """
+        recipe = "Float8CurrentScaling"
+        [recipe_options]
+        fp8_dpa = true
+        fp8_dpa_backward = "fp8"
+        [[overrides]]
+        modules = "layers.0.*"
+        recipe = "DelayedScaling"
+        recipe_options = { fp8_dpa = true }
+    """)
+    config = load_config(path)
+    assert config.recipe == Float8CurrentScaling(fp8_dpa=True, fp8_dpa_backward="fp8")
+    assert config.recipe_for("layers.0.attn")[0].fp8_dpa_backward == "high_precision"   # the default
+    assert resolve_config({"recipe": "MXFP8BlockScaling", "fp8_dpa_backward": "fp8"}).recipe.fp8_dpa_backward == "fp8"
+
+
+def test_error_fp8_dpa_backward_value(error_for):
+    message = error_for('recipe = "DelayedScaling"\n[recipe_options]\nfp8_dpa_backward = "bf16"\n')
+    assert message == ("bad.toml: recipe_options: DelayedScaling.fp8_dpa_backward must be one of "
+                       "['high_precision', 'fp8'], got 'bf16'"), message
 
 
 @pytest.mark.parametrize(
