@@ -1,5 +1,7 @@
 """FP8 attention's numerics (te_compile/kernels/fp8_attention.py): the reference forward against fp32
-SDPA for every mask form the SDPA sites take, its online softmax, and its edge rows."""
+SDPA for every mask form the SDPA sites take, its online softmax and its edge rows; the backward in
+both modes against fp32 SDPA's gradients; the Triton forward against the reference in Triton's
+interpreter."""
 
 from __future__ import annotations
 
@@ -9,8 +11,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from te_compile.kernels.fp8_attention import P_SCALE, fp8_attention_forward_reference, quantize_heads
+from te_compile.kernels._fp_bits import HAS_TRITON
+from te_compile.kernels.fp8_attention import (
+    P_SCALE,
+    fp8_attention_backward_reference,
+    fp8_attention_forward_reference,
+    fp8_attention_forward_triton,
+    quantize_heads,
+)
 from utils import assert_bitwise_equal, assert_sqnr_at_least, sqnr
+
+needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
 
 def _qkv(b=2, h=4, hkv=4, tq=96, tk=96, d=64, seed=0):
@@ -118,3 +129,110 @@ def test_output_dtype():
     o, lse = _fp8(q, k, v, out_dtype=torch.bfloat16)
     assert o.dtype == torch.bfloat16 and lse.dtype == torch.float32
     assert_sqnr_at_least(F.scaled_dot_product_attention(q.float(), k.float(), v.float()), o.float(), 25.0)
+
+
+def _form(form, q, k, v, seed=3):
+    """(reference kwargs, SDPA kwargs) for a mask form; k, v heads < q heads means GQA."""
+    tq, tk = q.shape[2], k.shape[2]
+    kwargs, sdpa = {}, {}
+    if k.shape[1] != q.shape[1]:
+        sdpa["enable_gqa"] = True
+    if form.startswith("causal"):
+        kwargs["causal"] = sdpa["is_causal"] = True
+    elif form == "bool":
+        keep = torch.rand(q.shape[0], 1, tq, tk, generator=torch.Generator().manual_seed(seed)) > 0.3
+        keep[..., 0] = True
+        kwargs["mask"] = sdpa["attn_mask"] = keep
+    elif form == "float":
+        kwargs["mask"] = sdpa["attn_mask"] = torch.randn(1, q.shape[1], tq, tk,
+                                                         generator=torch.Generator().manual_seed(seed))
+    return kwargs, sdpa
+
+
+@pytest.mark.parametrize("fp8_grads", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("form", ["none", "causal", "bool", "float", "gqa"])
+def test_backward_against_fp32_sdpa(form, fp8_grads):
+    q, k, v = _qkv(h=8, hkv=2) if form == "gqa" else _qkv()
+    kwargs, sdpa = _form("causal" if form == "gqa" else form, q, k, v)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k, v, **sdpa)
+    do = torch.randn(ref.shape, generator=torch.Generator().manual_seed(7))
+    ref.backward(do)
+    (q8, qd), (k8, kd), (v8, vd) = (quantize_heads(t.detach()) for t in (q, k, v))
+    sm = 1 / math.sqrt(64)
+    o, lse = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, sm_scale=sm, **kwargs)
+    grads = fp8_attention_backward_reference(do, q8, k8, v8, qd, kd, vd, o, lse, sm_scale=sm,
+                                             fp8_grads=fp8_grads, **kwargs)
+    floor = 15.0 if fp8_grads else 20.0
+    for name, g, t in zip("qkv", grads, (q, k, v)):
+        assert g.shape == t.shape and g.dtype == torch.float32
+        assert_sqnr_at_least(t.grad, g, floor, f"d{name} ({form})")
+
+
+def test_fp8_backward_quantizes_what_it_says():
+    q, k, v = _qkv(tq=32, tk=32)
+    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
+    o, lse = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, sm_scale=0.125)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(1))
+    args = (do, q8, k8, v8, qd, kd, vd, o, lse)
+    hp = fp8_attention_backward_reference(*args, sm_scale=0.125)
+    e5 = fp8_attention_backward_reference(*args, sm_scale=0.125, fp8_grads=True)
+    e4 = fp8_attention_backward_reference(*args, sm_scale=0.125, fp8_grads=True, grad_dtype=torch.float8_e4m3fn)
+    # E4M3 (3 mantissa bits) loses less than E5M2 (2 bits), and both less than nothing
+    for name, g_hp, g5, g4 in zip("qkv", hp, e5, e4):
+        assert sqnr(g_hp, g4) > sqnr(g_hp, g5) + 3.0, name
+    # a dO already on the E5M2 grid with a power-of-two scale quantizes exactly: dV then only
+    # differs from high precision by P's rounding
+    grid = quantize_heads(do, torch.float8_e5m2)[0].float()
+    exact = fp8_attention_backward_reference(grid, q8, k8, v8, qd, kd, vd, o, lse, sm_scale=0.125,
+                                             fp8_grads=True)
+    hp_grid = fp8_attention_backward_reference(grid, q8, k8, v8, qd, kd, vd, o, lse, sm_scale=0.125)
+    assert sqnr(hp_grid[2], exact[2]) > 30.0
+
+
+def test_backward_of_fully_masked_rows_is_zero():
+    q, k, v = _qkv(tq=8, tk=8)
+    keep = torch.ones(8, 8, dtype=torch.bool)
+    keep[3] = False
+    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
+    o, lse = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, sm_scale=0.125, mask=keep)
+    for fp8_grads in (False, True):
+        dq, dk, dv = fp8_attention_backward_reference(torch.ones_like(o), q8, k8, v8, qd, kd, vd, o, lse,
+                                                      sm_scale=0.125, mask=keep, fp8_grads=fp8_grads)
+        assert not dq[:, :, 3].any() and all(torch.isfinite(g).all() for g in (dq, dk, dv))
+
+
+# ---- Triton forward (interpreter on CPU) == reference ---------------------------------------------
+
+TRITON_CASES = {
+    # name: (B, H, Hkv, Tq, Tk, D, form, out dtype)
+    "ragged-gqa": (2, 4, 2, 70, 130, 32, "none", torch.float32),
+    "causal-d40": (1, 2, 2, 100, 100, 40, "causal", torch.float32),
+    "causal-rect": (1, 2, 1, 40, 150, 16, "causal", torch.float32),
+    "bool": (1, 2, 1, 50, 90, 16, "bool", torch.float32),
+    "float-bf16": (2, 2, 2, 33, 65, 64, "float", torch.bfloat16),
+}
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_forward_matches_reference(case):
+    b, h, hkv, tq, tk, d, form, dtype = TRITON_CASES[case]
+    q, k, v = _qkv(b, h, hkv, tq, tk, d)
+    kwargs, _ = _form(form, q, k, v)
+    if form == "bool":
+        kwargs["mask"][0, 0, 5] = False   # a fully masked row
+    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
+    args = (q8, k8, v8, qd, kd, vd)
+    kwargs.update(sm_scale=1 / math.sqrt(d), out_dtype=dtype)
+    o_ref, lse_ref = fp8_attention_forward_reference(*args, **kwargs)
+    o, lse = fp8_attention_forward_triton(*args, **kwargs)
+    assert o.dtype == dtype and o.shape == o_ref.shape
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(lse_ref))
+    finite = torch.isfinite(lse_ref)
+    # the same algorithm: equal up to the order of the dot products' fp32 sums (and one rounding
+    # of the output to its dtype)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=0, atol=2e-6)
+    tol = dict(rtol=0, atol=5e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0)
+    torch.testing.assert_close(o, o_ref, **tol)

@@ -1,8 +1,8 @@
 """FP8 attention forward: the numerics of a flash-attention kernel with E4M3 Q, K, V and P.
 
-This file holds the pure-torch reference (the first step of FP8 attention; the Triton kernel that
-will sit beside it computes the same algorithm). For q [B, H, Tq, D], k and v [B, Hkv, Tk, D]
-(H a multiple of Hkv: grouped-query attention), all arithmetic in fp32:
+Pure-torch references of the forward and the backward (CPU runs them; the Triton kernels compute the
+same algorithms). For q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv: grouped-query
+attention), all arithmetic in fp32:
 
     q8, q_descale = quantize_heads(q)     E4M3 bytes, one current-scaling scale per (batch, head):
                                           descale [B, H] = amax / 448 (so q ~= q8 * descale)
@@ -20,6 +20,18 @@ The online softmax is part of the numerics: p is quantized relative to the runni
 result depends on ``block_n``; the kernel and this reference take the same block size and then agree
 to fp32 rounding (the order of the dot products' sums). Rows whose keys are all masked give o = 0 and
 lse = -inf (torch's SDPA gives NaN there).
+
+The backward recomputes P = exp(s - lse) from the saved FP8 Q, K and the logsumexp (the attention
+matrix is never saved), with D = rowsum(dO * O):
+
+    dV = Pᵀ dO;  dP = dO Vᵀ;  dS = P * (dP - D);  dQ = dS K * sm_scale;  dK = dSᵀ Q * sm_scale
+
+"high_precision": those in fp32 from the dequantized Q, K, V. "fp8" (``fp8_grads``): dO in the
+gradient format (E5M2 under HYBRID) with one current scale per (batch, head); P in E4M3 with the
+forward's fixed scale for dV; dS in the gradient format with one scale per (batch, head) taken from
+a bound known before dS exists, |dS_ij| <= P_ij * (|dP_ij| + |D_i|) <= 2 * max_i |dO_i| * max_j |V_j|
+(Cauchy-Schwarz; |D_i| <= max_j |dP_ij| since P's row sums to 1), so a kernel needs no pass over dS
+to scale it; E5M2's 32 binades absorb the bound's slack. dP and D stay in fp32.
 """
 
 from __future__ import annotations
@@ -29,8 +41,17 @@ from typing import Optional
 import torch
 
 from ..scaling import cast_to_fp8, compute_scale, fp8_max
+from ._fp_bits import HAS_TRITON, use_triton
+from ._launch import require_triton
 
-__all__ = ["quantize_heads", "fp8_attention_forward_reference", "P_SCALE", "BLOCK_N"]
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    from ._fp_bits import round_to_e4m3
+
+__all__ = ["quantize_heads", "fp8_attention_forward", "fp8_attention_forward_reference", "fp8_attention_backward",
+           "fp8_attention_backward_reference", "fp8_attention_forward_triton", "P_SCALE", "BLOCK_N", "E4M3"]
 
 E4M3 = torch.float8_e4m3fn
 # P = exp(s - m) lies in [0, 1]: a fixed scale maps it onto E4M3's range (FlashAttention-3's choice)
@@ -108,3 +129,210 @@ def fp8_attention_forward_reference(
     o = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
     lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(l))
     return o.to(out_dtype), lse
+
+
+def _dequantized(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """FP8 [B, Hx, T, D] and descale [B, Hx] -> fp32 [B, Hx * group, T, D] (each head repeated)."""
+    x = x8.to(torch.float32) * descale[..., None, None]
+    return x.repeat_interleave(group, dim=1) if group > 1 else x
+
+
+def _per_kv_head(x: torch.Tensor, group: int) -> torch.Tensor:
+    """[B, H, T, D] per query head -> [B, H / group, T, D]: a key/value head's gradient is the sum
+    over the query heads it serves."""
+    if group == 1:
+        return x
+    b, h, t, d = x.shape
+    return x.reshape(b, h // group, group, t, d).sum(dim=2)
+
+
+def fp8_attention_backward_reference(
+    do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
+    mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
+    grad_dtype: torch.dtype = torch.float8_e5m2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]) in fp32, from dO [B, H, Tq, D], the forward's FP8
+    operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
+    "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS."""
+    h, tq, tk = q8.shape[1], q8.shape[2], k8.shape[2]
+    group = h // k8.shape[1]
+    q, k, v = _dequantized(q8, q_descale), _dequantized(k8, k_descale, group), _dequantized(v8, v_descale, group)
+    # the forward's scores, in the forward's order of operations
+    kv_scale = (q_descale * k_descale.repeat_interleave(group, dim=1) * sm_scale)[..., None, None]
+    s = (q8.to(torch.float32) @ k8.to(torch.float32).repeat_interleave(group, dim=1).transpose(-2, -1)) * kv_scale
+    if mask is not None:
+        mask = mask.expand(*mask.shape[:-2], tq, tk) if mask.dim() >= 2 else mask
+    bias = _block_bias(mask, causal, tq, torch.arange(tk, device=q8.device), q8.device)
+    if bias is not None:
+        s = s + bias
+    # fully masked rows have lse = -inf: their P is 0, not exp(-inf + inf)
+    p = torch.exp(s - torch.where(torch.isinf(lse), 0.0, lse)[..., None])
+    p = torch.where(torch.isinf(lse)[..., None], 0.0, p)
+    do32 = do.to(torch.float32)
+    delta = (do32 * o.to(torch.float32)).sum(dim=-1, keepdim=True)   # D [B, H, Tq, 1]
+    if not fp8_grads:
+        dv = p.transpose(-2, -1) @ do32
+        dp = do32 @ v.transpose(-2, -1)
+        ds = p * (dp - delta)
+        dq = (ds @ k) * sm_scale
+        dk = (ds.transpose(-2, -1) @ q) * sm_scale
+        return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+    do8, do_descale = quantize_heads(do32, grad_dtype)
+    do_q = do8.to(torch.float32)
+    p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q8.device), E4M3).to(torch.float32)
+    dv = (p8.transpose(-2, -1) @ do_q) * (do_descale / P_SCALE)[..., None, None]
+    v_q = v8.to(torch.float32).repeat_interleave(group, dim=1)
+    vd = v_descale.repeat_interleave(group, dim=1)
+    dp = (do_q @ v_q.transpose(-2, -1)) * (do_descale * vd)[..., None, None]
+    ds = p * (dp - delta)
+    # dS's scale from the bound of the module docstring: per (batch, head), before dS is computed
+    bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v.norm(dim=-1).amax(dim=-1)
+    ds_scale = compute_scale(bound, grad_dtype)
+    ds8 = cast_to_fp8(ds, ds_scale[..., None, None], grad_dtype).to(torch.float32)
+    ds_descale = torch.div(torch.ones_like(ds_scale), ds_scale)
+    k_q = k8.to(torch.float32).repeat_interleave(group, dim=1)
+    kd = k_descale.repeat_interleave(group, dim=1)
+    dq = (ds8 @ k_q) * (ds_descale * kd * sm_scale)[..., None, None]
+    dk = (ds8.transpose(-2, -1) @ q8.to(torch.float32)) * (ds_descale * q_descale * sm_scale)[..., None, None]
+    return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Triton forward: one program per (block of BLOCK_M queries, batch * head), the reference's loop over
+# BLOCK_N keys inside. S = Q8 K8ᵀ and O += P8 V8 are FP8 tensor-core dots with fp32 accumulation
+# (sm89+); P is rounded to E4M3 with plain fp32 arithmetic (_fp_bits.round_to_e4m3, exact in the
+# interpreter too) and then converted, which is exact for a representable value.
+
+_MASK_NONE, _MASK_BOOL, _MASK_ADD = 0, 1, 2
+_BLOCK_M = 64
+
+if HAS_TRITON:
+    @triton.jit
+    def _fp8_attention_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, vd_ptr, mask_ptr, o_ptr, lse_ptr,
+        sm_scale, TQ, TK, H, GROUP,
+        s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt,
+        s_mb, s_mh, s_mq, s_mk, s_ob, s_oh, s_ot,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, P_SCALE: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hkv = h // GROUP           # grouped-query attention: repeat_interleave's head order
+        hkv_all = H // GROUP
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        keys = tl.arange(0, BLOCK_N)
+        rmask = rows < TQ
+        dmask = dims < D
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :],
+                    mask=rmask[:, None] & dmask[None, :], other=0.0)
+        # the reference's order: (q_descale * k_descale) * sm_scale
+        kv_scale = tl.load(qd_ptr + b * H + h) * tl.load(kd_ptr + b * hkv_all + hkv) * sm_scale
+        v_scale = tl.load(vd_ptr + b * hkv_all + hkv) / P_SCALE
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        k_base = k_ptr + b * s_kb + hkv * s_kh
+        v_base = v_ptr + b * s_vb + hkv * s_vh
+        hi = TK
+        if CAUSAL:   # top-left aligned: query i sees keys 0..i; later blocks are all masked
+            hi = tl.minimum(TK, (pid_m + 1) * BLOCK_M)
+        for start in range(0, hi, BLOCK_N):
+            cols = start + keys
+            cmask = cols < TK
+            kt = tl.load(k_base + cols[None, :] * s_kt + dims[:, None], mask=dmask[:, None] & cmask[None, :],
+                         other=0.0)                                       # [BLOCK_D, BLOCK_N]
+            s = tl.dot(q, kt) * kv_scale                                  # fp32 [BLOCK_M, BLOCK_N]
+            allowed = cmask[None, :] & rmask[:, None]
+            if CAUSAL:
+                allowed = allowed & (rows[:, None] >= cols[None, :])
+            mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
+            if MASK_KIND == 1:
+                allowed = allowed & (tl.load(mptr, mask=allowed, other=0) != 0)
+            if MASK_KIND == 2:
+                s = s + tl.load(mptr, mask=allowed, other=0.0).to(tl.float32)
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with every key masked so far
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            p8 = round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)
+            v = tl.load(v_base + cols[:, None] * s_vt + dims[None, :], mask=cmask[:, None] & dmask[None, :],
+                        other=0.0)                                        # [BLOCK_N, BLOCK_D]
+            acc = acc * alpha[:, None] + tl.dot(p8, v) * v_scale
+            m_i = m_new
+        empty = l_i == 0.0
+        o = tl.where(empty[:, None], 0.0, acc / tl.where(empty, 1.0, l_i)[:, None])
+        lse = tl.where(empty, float("-inf"), m_i + tl.log(l_i))
+        tl.store(o_ptr + b * s_ob + h * s_oh + rows[:, None] * s_ot + dims[None, :],
+                 o.to(o_ptr.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
+        tl.store(lse_ptr + pid_bh * TQ + rows, lse, mask=rmask)
+
+
+def fp8_attention_forward_triton(
+    q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+    *, sm_scale: float, causal: bool = False, mask: Optional[torch.Tensor] = None,
+    block_n: int = BLOCK_N, out_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    require_triton("fp8_attention_forward_triton")
+    b, h, tq, d = q8.shape
+    hkv, tk = k8.shape[1], k8.shape[2]
+    if q8.dtype != E4M3 or k8.dtype != E4M3 or v8.dtype != E4M3:
+        raise ValueError(f"q8, k8, v8 must be {E4M3}, got {q8.dtype}, {k8.dtype}, {v8.dtype}")
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+    if d > 256:
+        raise ValueError(f"head dim must be <= 256, got {d}")
+    q8, k8, v8 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q8, k8, v8))
+    o = torch.empty((b, h, tq, d), dtype=out_dtype, device=q8.device)
+    lse = torch.empty((b, h, tq), dtype=torch.float32, device=q8.device)
+    kind = _MASK_NONE
+    strides = (0, 0, 0, 0)
+    mask_arg = lse   # never read without a mask (MASK_KIND is a constexpr)
+    if mask is not None:
+        kind = _MASK_BOOL if mask.dtype == torch.bool else _MASK_ADD
+        mask_arg = mask.expand(b, h, tq, tk)
+        if kind == _MASK_BOOL:
+            mask_arg = mask_arg.view(torch.uint8)
+        strides = mask_arg.stride()
+    if b * h * tq == 0:
+        return o, lse
+    grid = (triton.cdiv(tq, _BLOCK_M), b * h)
+    _fp8_attention_fwd_kernel[grid](
+        q8, k8, v8, q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), mask_arg, o, lse,
+        float(sm_scale), tq, tk, h, h // hkv,
+        *q8.stride()[:3], *k8.stride()[:3], *v8.stride()[:3], *strides, *o.stride()[:3],
+        D=d, BLOCK_D=max(32, triton.next_power_of_2(d)), BLOCK_M=_BLOCK_M, BLOCK_N=block_n,
+        CAUSAL=bool(causal), MASK_KIND=kind, P_SCALE=P_SCALE, num_warps=4)
+    return o, lse
+
+
+def _triton_forward(q8: torch.Tensor) -> bool:
+    """Real CUDA tensors on a GPU with FP8 tensor cores (sm89+) run the Triton forward."""
+    return use_triton(q8) and torch.cuda.get_device_capability(q8.device) >= (8, 9)
+
+
+def fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, *, sm_scale: float, causal: bool = False,
+                          mask: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32):
+    """(o, lse) as ``fp8_attention_forward_reference`` computes them: the Triton kernel on sm89+ GPUs,
+    the reference elsewhere."""
+    impl = fp8_attention_forward_triton if _triton_forward(q8) else fp8_attention_forward_reference
+    return impl(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale=sm_scale, causal=causal, mask=mask,
+                out_dtype=out_dtype)
+
+
+def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, *, sm_scale: float,
+                           causal: bool = False, mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
+                           grad_dtype: torch.dtype = torch.float8_e5m2):
+    """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them."""
+    return fp8_attention_backward_reference(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
+                                            sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
+                                            grad_dtype=grad_dtype)
