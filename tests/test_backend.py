@@ -80,13 +80,18 @@ def test_te_rewrites_every_linear(ladder):
     expected.add("lm_head")
     assert len(expected) == 2 * LINEARS_PER_BLOCK + 1
     assert {s.fqn for s in report.rewritten if s.op == "linear"} == expected
-    assert all(s.recipe == "Float8CurrentScaling" and s.op in ("linear", "layer_norm", "gelu") for s in report.sites)
+    fp8 = [s for s in report.sites if s.op != "sdpa"]
+    assert all(s.recipe == "Float8CurrentScaling" and s.op in ("linear", "layer_norm", "gelu") for s in fp8)
+    # attention is reported and, FP8 attention being opt-in, left alone
+    attention = [s for s in report.sites if s.op == "sdpa"]
+    assert [s.fqn for s in attention] == ["blocks.0.attn", "blocks.1.attn"]
+    assert all(s.reason == "[rewrite] sdpa = false and Float8CurrentScaling.fp8_dpa = false" for s in attention)
     # and every LayerNorm fused into the linear reading it (ln1 -> qkv, ln2 -> fc, ln_f -> lm_head)
     assert {s.fqn for s in report.rewritten if s.op == "layer_norm"} == {
         "blocks.0.ln1", "blocks.0.ln2", "blocks.1.ln1", "blocks.1.ln2", "ln_f"}
     # and each block's GELU into mlp.proj
     assert {s.fqn for s in report.rewritten if s.op == "gelu"} == {"blocks.0.mlp", "blocks.1.mlp"}
-    assert "16 of 16 sites rewritten" in str(report)
+    assert "16 of 18 sites rewritten" in str(report)
 
 
 def test_te_matches_eager_fp8_emulation(ladder):

@@ -109,7 +109,8 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
         model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 256, (2, 12))
     eager_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager"})
+    # FP8 attention too: HF reaches F.scaled_dot_product_attention through attn_implementation="sdpa"
+    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager", "rewrite": {"sdpa": True}})
     loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     report = te_compile.report()
@@ -118,7 +119,14 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
     assert len(linears) == len(_linear_names(model)), str(report)
     # every norm is fused into the linears reading it (Falcon's and GPT-2's final norms too: HF reads
     # them through a whole-tensor slice before lm_head)
-    assert all(s.rewritten for s in report.sites if s.op != "linear"), str(report)
+    assert all(s.rewritten for s in report.sites if s.op not in ("linear", "sdpa")), str(report)
+    attention = [s for s in report.sites if s.op == "sdpa"]
+    assert len(attention) == 2, str(report)
+    for s in attention:
+        if arch == "gpt2":   # attn_pdrop = 0.1 in training: SDPA keeps its dropout
+            assert not s.rewritten and s.reason.startswith("dropout_p=0.1"), str(report)
+        else:
+            assert s.rewritten and s.reason.startswith("FP8 forward, high-precision backward"), str(report)
     if arch == "llama-checkpointed":
         assert sum("checkpointed region" in s.reason for s in linears) == 14, str(report)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)

@@ -24,6 +24,7 @@ from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
+from .attention import rewrite_attention
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -55,6 +56,7 @@ PASSES: tuple[Pass, ...] = (
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,
+    rewrite_attention,
 )
 
 

@@ -1,0 +1,166 @@
+"""What a rewritten SDPA site calls: ``AttentionLowering(spec)(q, k, v, mask) -> o``.
+
+Two opaque custom ops around kernels/fp8_attention.py, tied together by an autograd.Function:
+
+    te_compile::fp8_attention_forward(q, k, v, mask, sm_scale, causal)
+        -> o (q's dtype), lse, q8, k8, v8, o8 (FP8), q/k/v/o descales [B, H or Hkv] (fp32)
+    te_compile::fp8_attention_backward(dO, q8, k8, v8, descales, o8, lse, mask, ..., fp8_grads, grad_dtype)
+        -> dq, dk, dv
+
+Why opaque (custom ops, not inlined torch as the linears' quantization is): aot_autograd's
+partitioner picks what the forward hands to the backward from the traced joint graph, and would be
+free to save the high-precision q, k, v and recompute their quantization, or to save the attention
+matrix of the emulation. Behind the ops, the only values the backward can read are the forward op's
+outputs that ``Fp8AttentionFunction`` saves: FP8 Q, K, V and O, their descales and the logsumexp
+[B, H, Tq] (plus the mask, an input). The quantization of Q, K, V runs inside the forward op, so
+nothing in high precision outlives it.
+
+On CUDA the ops run the Triton kernels where they exist (kernels/fp8_attention.py says which),
+elsewhere the pure-torch references: the CPU numerics are the kernels' numerics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from ..kernels.fp8_attention import (
+    E4M3,
+    fp8_attention_backward,
+    fp8_attention_forward,
+    quantize_heads,
+)
+from ..recipe import Format, Recipe
+from .linear import _autocast_dtype
+
+__all__ = ["AttentionSpec", "AttentionLowering", "Fp8AttentionFunction", "attention_grad_dtype"]
+
+
+def attention_grad_dtype(recipe: Recipe) -> torch.dtype:
+    """The format of dO and dS in the "fp8" backward: the recipe's gradient format (E5M2 under
+    HYBRID, E4M3 under E4M3); recipes without one (CustomRecipe) use HYBRID's."""
+    fmt = getattr(recipe, "fp8_format", Format.HYBRID)
+    return fmt.dtype_for("grad_output")
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Everything about an SDPA site the lowering needs that is not a tensor."""
+
+    fqn: str                        # the module whose forward calls SDPA
+    recipe: Recipe
+    sm_scale: float                 # SDPA's ``scale=``, else 1 / sqrt(head dim)
+    causal: bool = False
+    fp8_backward: bool = False      # recipe.fp8_dpa_backward == "fp8"
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return attention_grad_dtype(self.recipe)
+
+    def mode(self) -> str:
+        """How the site runs, for the report."""
+        if self.fp8_backward:
+            return f"FP8 forward and backward (dO, dS in {_fmt(self.grad_dtype)})"
+        return "FP8 forward, high-precision backward"
+
+
+def _fmt(dtype: torch.dtype) -> str:
+    return "E4M3" if dtype == E4M3 else "E5M2"
+
+
+# ---------------------------------------------------------------------------------------------------
+# the ops
+
+@torch.library.custom_op("te_compile::fp8_attention_forward", mutates_args=())
+def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                sm_scale: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                                        torch.Tensor, torch.Tensor]:
+    q8, q_descale = quantize_heads(q)
+    k8, k_descale = quantize_heads(k)
+    v8, v_descale = quantize_heads(v)
+    o, lse = fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale=sm_scale,
+                                   causal=causal, mask=mask, out_dtype=q.dtype)
+    # O is saved for the backward's D = rowsum(dO * O); in FP8 like Q, K, V
+    o8, o_descale = quantize_heads(o)
+    return o, lse, q8, k8, v8, o8, q_descale, k_descale, v_descale, o_descale
+
+
+@_forward_op.register_fake
+def _(q, k, v, mask, sm_scale, causal):
+    b, h, tq, d = q.shape
+    hkv = k.shape[1]
+    heads = q.new_empty((b, h), dtype=torch.float32)
+    kv_heads = q.new_empty((b, hkv), dtype=torch.float32)
+    return (q.new_empty(q.shape), q.new_empty((b, h, tq), dtype=torch.float32),
+            q.new_empty(q.shape, dtype=E4M3), k.new_empty(k.shape, dtype=E4M3), v.new_empty(v.shape, dtype=E4M3),
+            q.new_empty(q.shape, dtype=E4M3), heads, kv_heads, kv_heads.clone(), heads.clone())
+
+
+@torch.library.custom_op("te_compile::fp8_attention_backward", mutates_args=())
+def _backward_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o8: torch.Tensor,
+                 q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+                 o_descale: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tensor], sm_scale: float,
+                 causal: bool, fp8_grads: bool, grad_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    o = o8.to(torch.float32) * o_descale[..., None, None]
+    dq, dk, dv = fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
+                                        sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
+                                        grad_dtype=grad_dtype)
+    return dq.to(do.dtype), dk.to(do.dtype), dv.to(do.dtype)
+
+
+@_backward_op.register_fake
+def _(do, q8, k8, v8, o8, q_descale, k_descale, v_descale, o_descale, lse, mask, sm_scale, causal, fp8_grads,
+      grad_dtype):
+    return do.new_empty(q8.shape), do.new_empty(k8.shape), do.new_empty(v8.shape)
+
+
+class Fp8AttentionFunction(torch.autograd.Function):
+    """q [B, H, Tq, D], k and v [B, Hkv, Tk, D], mask (broadcastable to [B, H, Tq, Tk], no grad) or
+    None -> o [B, H, Tq, D] in q's dtype."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, mask, spec: AttentionSpec):
+        o, lse, q8, k8, v8, o8, *descales = torch.ops.te_compile.fp8_attention_forward(
+            q, k, v, mask, spec.sm_scale, spec.causal)
+        ctx.spec = spec
+        ctx.save_for_backward(q8, k8, v8, o8, *descales, lse, mask)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q8, k8, v8, o8, qd, kd, vd, od, lse, mask = ctx.saved_tensors
+        spec = ctx.spec
+        dq, dk, dv = torch.ops.te_compile.fp8_attention_backward(
+            do.contiguous(), q8, k8, v8, o8, qd, kd, vd, od, lse, mask, spec.sm_scale, spec.causal,
+            spec.fp8_backward, spec.grad_dtype)
+        return dq, dk, dv, None, None
+
+
+class AttentionLowering:
+    """Callable inserted into the FX graph for one SDPA site: ``(q, k, v, mask) -> o``, SDPA's
+    contract for the forms the pass accepts (no dropout; k, v with H or a divisor of H heads).
+
+    Under autocast q, k, v are cast to autocast's dtype first, as SDPA itself would run."""
+
+    def __init__(self, spec: AttentionSpec) -> None:
+        self.spec = spec
+        self.__name__ = f"te_fp8_attention_{spec.recipe.name}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 mask: Optional[torch.Tensor]) -> torch.Tensor:
+        dtype = _autocast_dtype(q)
+        if dtype is not None:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        with torch.autocast(q.device.type, enabled=False) if dtype is not None else contextlib.nullcontext():
+            return Fp8AttentionFunction.apply(q, k, v, mask, self.spec)
+
+    def __repr__(self) -> str:
+        return f"AttentionLowering({self.spec.fqn!r}, {self.spec.recipe.name}, {self.spec.mode()})"
+

@@ -1,0 +1,158 @@
+"""The attention pass: ``F.scaled_dot_product_attention`` calls become FP8 attention, or a report row
+saying why not.
+
+A site is enabled by ``[rewrite] sdpa = true`` or its recipe's ``fp8_dpa = true`` (or ``fp8_mha``,
+which implies it as in TransformerEngine; the FP8 hand-off between projections and attention it
+also asks for is not done yet, and the report says so). The recipe is that of the module whose
+forward calls SDPA, overrides included. The forms lowered (lowerings/fp8_attention.py):
+
+    sdpa(q, k, v)  sdpa(q, k, v, is_causal=True)  sdpa(q, k, v, attn_mask=bool or additive float mask)
+    sdpa(q, k, v, enable_gqa=True) with k, v of fewer heads   sdpa(q, k, v, scale=s)
+    sdpa(q, k, v) with k, v of one head (broadcast: multi-query attention)
+
+with q, k, v dense [B, H, T, D] (D <= 256, the same D for all three), dropout_p = 0. Everything else
+(dropout in training, nested / jagged or DTensor inputs, a mask that needs a gradient) stays
+SDPA, with the reason in the report.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+import torch.fx as fx
+
+from ..lowerings.fp8_attention import AttentionLowering, AttentionSpec
+from ..lowerings.sharded_linear import is_dtensor
+from ..report import SiteRecord
+from .graphs import GraphScope
+from .matching import shape_text
+from .sites import module_fqn
+
+if TYPE_CHECKING:
+    from . import PassContext
+
+__all__ = ["rewrite_attention", "MAX_HEAD_DIM"]
+
+_SDPA = (torch._C._nn.scaled_dot_product_attention, torch.nn.functional.scaled_dot_product_attention)
+_PARAMS = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale", "enable_gqa")
+_DEFAULTS = {"attn_mask": None, "dropout_p": 0.0, "is_causal": False, "scale": None, "enable_gqa": False}
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_HEAD_DIM = 256   # FlashAttention's limit: a [BLOCK_M, D] tile of q and o stays in registers
+
+
+def _args(node: fx.Node) -> dict[str, Any]:
+    """SDPA's arguments by name, defaults filled in."""
+    args = dict(_DEFAULTS)
+    args.update(zip(_PARAMS, node.args))
+    args.update(node.kwargs)
+    return args
+
+
+def _value(node) -> Optional[torch.Tensor]:
+    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _ineligibility(args: dict) -> Optional[str]:
+    """Why this call stays SDPA, or None when FP8 attention computes it."""
+    for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
+        if isinstance(args[name], fx.Node):
+            return f"{name} is computed in the graph, not a constant"
+    if args["dropout_p"] != 0:
+        return f"dropout_p={args['dropout_p']} (FP8 attention has no dropout)"
+    q, k, v = (_value(args[n]) for n in ("query", "key", "value"))
+    if q is None or k is None or v is None:
+        return "q, k or v is not a tensor the graph describes"
+    if any(t.is_nested for t in (q, k, v)):
+        return "nested (jagged) inputs"
+    if any(is_dtensor(t) for t in (q, k, v)):
+        return "DTensor inputs"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        return f"q, k, v must be 4-D [B, H, T, D], got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D"
+    if q.dtype not in _DTYPES or not (q.dtype == k.dtype == v.dtype):
+        return f"dtypes {q.dtype}, {k.dtype}, {v.dtype} (FP8 attention takes one of fp32, bf16, fp16)"
+    d = q.shape[-1]
+    if not isinstance(d, int):
+        return "the head dim is symbolic"
+    if not (k.shape[-1] == v.shape[-1] == d):
+        return f"head dims differ (q {d}, k {k.shape[-1]}, v {v.shape[-1]})"
+    if d > MAX_HEAD_DIM:
+        return f"head dim {d} > {MAX_HEAD_DIM}"
+    b, h, hkv = q.shape[0], q.shape[1], k.shape[1]
+    if not (k.shape[0] == v.shape[0] == b) or v.shape[1] != hkv or k.shape[2] != v.shape[2]:
+        return f"k, v shapes {list(k.shape)}, {list(v.shape)} do not match q {list(q.shape)}"
+    if hkv != h:
+        # one key/value head broadcasts over the query heads (Falcon's multi-query attention relies on
+        # it); any other count needs enable_gqa, as in SDPA itself
+        if not args["enable_gqa"] and hkv != 1:
+            return f"k, v have {hkv} heads for {h} query heads without enable_gqa"
+        if not isinstance(h, int) or not isinstance(hkv, int) or h % hkv:
+            return f"query heads ({h}) are not a multiple of key/value heads ({hkv})"
+    mask_node = args["attn_mask"]
+    if mask_node is not None:
+        mask = _value(mask_node)
+        if mask is None:
+            return "attn_mask is not a tensor the graph describes"
+        if mask.dtype != torch.bool and mask.dtype != q.dtype:
+            return f"attn_mask dtype {mask.dtype} (bool or q's dtype {q.dtype} supported)"
+        if mask.requires_grad:
+            return "attn_mask requires grad (a learned bias)"
+        if mask.dim() > 4:
+            return f"attn_mask has {mask.dim()} dims"
+        if is_dtensor(mask) or mask.is_nested:
+            return "attn_mask is a DTensor or nested tensor"
+    return None
+
+
+def _shapes(args: dict) -> str:
+    names = (("q", "query"), ("k", "key"), ("v", "value"), ("mask", "attn_mask"))
+    return " ".join(text for short, name in names if (text := shape_text(short, args[name])) is not None)
+
+
+def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
+    """Rewrite the eligible SDPA calls of ``scope``; one report row per call."""
+    config = ctx.config
+    count = 0
+    for node in list(scope.graph.nodes):
+        if node.op != "call_function" or node.target not in _SDPA:
+            continue
+        fqn = scope.fqn(module_fqn(node))
+        args = _args(node)
+        recipe, why = config.recipe_for(fqn)
+
+        def record(rewritten: bool, reason: str, recipe_name=None) -> None:
+            ctx.record(scope, node, SiteRecord(fqn=fqn, op="sdpa", recipe=recipe_name, rewritten=rewritten,
+                                               reason=reason + scope.where, shapes=_shapes(args),
+                                               graph=ctx.graph_id))
+
+        if scope.unsupported is not None:
+            record(False, scope.unsupported)
+            continue
+        if recipe is None:
+            record(False, f"recipe 'none' ({why})")
+            continue
+        if not (config.rewrite.sdpa or recipe.fp8_dpa or recipe.fp8_mha):
+            record(False, f"[rewrite] sdpa = false and {recipe.name}.fp8_dpa = false")
+            continue
+        reason = _ineligibility(args)
+        if reason is not None:
+            record(False, f"{reason} (left in high precision)", recipe.name)
+            continue
+        d = _value(args["query"]).shape[-1]
+        scale = args["scale"]
+        spec = AttentionSpec(fqn, recipe, float(scale) if scale is not None else 1.0 / math.sqrt(d),
+                             bool(args["is_causal"]), recipe.fp8_dpa_backward == "fp8")
+        mha = ("; fp8_mha: the projections still hand attention high-precision tensors (not done yet)"
+               if recipe.fp8_mha else "")
+        record(True, f"{spec.mode()}; Q, K, V, P in E4M3, Q, K, V current-scaled per (batch, head){mha} ({why})",
+               recipe.name)
+        with scope.graph.inserting_before(node):
+            new = scope.graph.call_function(AttentionLowering(spec),
+                                            (args["query"], args["key"], args["value"], args["attn_mask"]))
+        new.meta.update(node.meta)
+        node.replace_all_uses_with(new)
+        scope.graph.erase_node(node)
+        count += 1
+    return count

@@ -1,0 +1,229 @@
+"""The attention pass (te_compile/passes/attention.py): which SDPA calls become FP8 attention, the
+report rows, both backward modes end to end, and what the compiled forward saves for the backward.
+
+The forms share one module and one aot_eager compile per backward mode; outputs and gradients are
+checked bit for bit against the kernels' references called directly, and against fp32 SDPA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import te_compile
+from te_compile.kernels.fp8_attention import (
+    fp8_attention_backward_reference,
+    fp8_attention_forward_reference,
+    quantize_heads,
+)
+from utils import assert_bitwise_equal, assert_sqnr_at_least
+
+B, H, HKV, T, D = 2, 4, 2, 24, 16
+
+
+class Sdpa(nn.Module):
+    """One SDPA call with fixed keyword arguments; ``kv``: which key/value pair it reads."""
+
+    def __init__(self, kv="kv", mask=None, own_q=False, **kwargs):
+        super().__init__()
+        self.kv, self.mask, self.own_q, self.kwargs = kv, mask, own_q, kwargs
+
+    def forward(self, q, inputs):
+        k, v = inputs[self.kv]
+        if self.own_q:   # a query of the key's head dim
+            q = inputs[self.kv + "_q"]
+        mask = inputs[self.mask] if isinstance(self.mask, str) else self.mask
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **self.kwargs)
+
+
+class LearnedBias(Sdpa):
+    def __init__(self):
+        super().__init__()
+        self.bias = nn.Parameter(torch.zeros(T, T))
+
+    def forward(self, q, inputs):
+        k, v = inputs["kv"]
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.bias)
+
+
+# name: (module, rewritten?, what the reason says)
+FORMS = {
+    "plain": (lambda: Sdpa(), True, "FP8 forward"),
+    "causal": (lambda: Sdpa(is_causal=True), True, "FP8 forward"),
+    "bool_mask": (lambda: Sdpa(mask="bool"), True, "FP8 forward"),
+    "float_mask": (lambda: Sdpa(mask="float"), True, "FP8 forward"),
+    "gqa": (lambda: Sdpa(kv="gqa", is_causal=True, enable_gqa=True), True, "FP8 forward"),
+    "mqa": (lambda: Sdpa(kv="mqa"), True, "FP8 forward"),   # one k/v head, broadcast (Falcon)
+    "scale": (lambda: Sdpa(scale=0.3), True, "FP8 forward"),
+    "dropout": (lambda: Sdpa(dropout_p=0.5), False, "dropout_p=0.5 (FP8 attention has no dropout)"),
+    "learned_bias": (LearnedBias, False, "attn_mask requires grad (a learned bias)"),
+    "wide_head": (lambda: Sdpa(kv="wide", own_q=True), False, "head dim 320 > 256"),
+}
+REWRITTEN = [name for name, (_, ok, _) in FORMS.items() if ok]
+
+
+class Forms(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.forms = nn.ModuleDict({name: make() for name, (make, _, _) in FORMS.items()})
+
+    def forward(self, q, inputs):
+        return {name: m(q, inputs) for name, m in self.forms.items()}
+
+
+def _inputs(seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).requires_grad_()
+
+    keep = torch.rand(B, 1, T, T, generator=gen) > 0.3
+    keep[..., 0] = True
+    q = rnd(B, H, T, D)
+    inputs = {"kv": (rnd(B, H, T, D), rnd(B, H, T, D)), "gqa": (rnd(B, HKV, T, D), rnd(B, HKV, T, D)),
+              "mqa": (rnd(B, 1, T, D), rnd(B, 1, T, D)),
+              "wide": (rnd(B, H, T, 320), rnd(B, H, T, 320)), "wide_q": rnd(B, H, T, 320), "bool": keep,
+              "float": torch.randn(1, H, T, T, generator=gen)}
+    return q, inputs
+
+
+def _reference_call(name, q, inputs):
+    """What the rewritten site computes, from the kernels' references: (o, q8.., descales, lse, kwargs)."""
+    module = FORMS[name][0]()
+    k, v = inputs[module.kv]
+    kwargs = {"causal": module.kwargs.get("is_causal", False),
+              "sm_scale": module.kwargs.get("scale") or 1 / math.sqrt(D)}
+    if module.mask is not None:
+        kwargs["mask"] = inputs[module.mask]
+    quantized = [quantize_heads(t.detach()) for t in (q, k, v)]
+    (q8, qd), (k8, kd), (v8, vd) = quantized
+    o, lse = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, out_dtype=q.dtype, **kwargs)
+    return o, (q8, k8, v8, qd, kd, vd), lse, kwargs
+
+
+@pytest.fixture(scope="module", params=["high_precision", "fp8"])
+def compiled(request):
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = Forms().train()
+    fn = torch.compile(model, backend="te", options={
+        "recipe": "Float8CurrentScaling", "fp8_dpa": True, "fp8_dpa_backward": request.param,
+        "compiler": "aot_eager"})
+    q, inputs = _inputs()
+    outs = fn(q, inputs)
+    grads = {}
+    for name in REWRITTEN:
+        module = FORMS[name][0]()
+        k, v = inputs[module.kv]
+        grads[name] = torch.autograd.grad(outs[name], (q, k, v), torch.ones_like(outs[name]), retain_graph=True)
+    return request.param, te_compile.report(), q, inputs, outs, grads
+
+
+def test_report_has_one_row_per_call_with_the_reason(compiled):
+    mode, report, *_ = compiled
+    rows = {s.fqn.split(".")[-1]: s for s in report.sites}
+    assert sorted(rows) == sorted(FORMS) and all(s.op == "sdpa" for s in report.sites), str(report)
+    for name, (_, rewritten, reason) in FORMS.items():
+        row = rows[name]
+        assert row.rewritten == rewritten and reason in row.reason, (name, row)
+        assert row.recipe == "Float8CurrentScaling"
+        assert row.shapes.startswith(f"q[2, 4, 24, {320 if name == 'wide_head' else 16}] k["), row.shapes
+    expected = ("FP8 forward, high-precision backward" if mode == "high_precision"
+                else "FP8 forward and backward (dO, dS in E5M2)")
+    assert expected in rows["plain"].reason
+    assert rows["bool_mask"].shapes.endswith("mask[2, 1, 24, 24]")
+
+
+@pytest.mark.parametrize("name", REWRITTEN)
+def test_rewritten_forms_compute_the_reference_bit_for_bit(compiled, name):
+    mode, _, q, inputs, outs, grads = compiled
+    o, (q8, k8, v8, qd, kd, vd), lse, kwargs = _reference_call(name, q, inputs)
+    assert_bitwise_equal(outs[name], o, name)
+    # the backward reads O from its FP8 copy
+    o8, od = quantize_heads(o)
+    o_saved = o8.float() * od[..., None, None]
+    expect = fp8_attention_backward_reference(torch.ones_like(o), q8, k8, v8, qd, kd, vd, o_saved, lse,
+                                              fp8_grads=mode == "fp8", **kwargs)
+    for g, e, which in zip(grads[name], expect, "qkv"):
+        assert_bitwise_equal(g, e, f"{name} d{which}")
+    # ...and that is attention: against fp32 SDPA on the same inputs
+    module = FORMS[name][0]()
+    k, v = inputs[module.kv]
+    qr, kr, vr = (t.detach().requires_grad_() for t in (q, k, v))
+    ref = module(qr, {**inputs, module.kv: (kr, vr)})
+    assert_sqnr_at_least(ref, outs[name], 25.0, name)
+    ref.sum().backward()
+    floor = 15.0 if mode == "fp8" else 20.0
+    for g, t, which in zip(grads[name], (qr, kr, vr), "qkv"):
+        assert_sqnr_at_least(t.grad, g, floor, f"{name} d{which}")
+
+
+def test_fallbacks_still_compute_sdpa(compiled):
+    _, _, q, inputs, outs, _ = compiled
+    for name in ("learned_bias", "wide_head"):
+        module = FORMS[name][0]()
+        torch.testing.assert_close(outs[name], module(q, inputs), rtol=1e-5, atol=1e-6)
+    assert outs["dropout"].shape == q.shape and torch.isfinite(outs["dropout"]).all()
+
+
+def test_sdpa_is_off_unless_asked_and_follows_overrides():
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = nn.ModuleDict({"a": Sdpa(), "b": Sdpa(), "c": Sdpa()})
+
+    def run(q, inputs):
+        return [model[n](q, inputs) for n in "abc"]
+
+    fn = torch.compile(run, backend="te", options={
+        "recipe": "DelayedScaling", "compiler": "aot_eager",
+        "overrides": [{"modules": "b", "recipe": "Float8CurrentScaling", "recipe_options": {"fp8_dpa": True}},
+                      {"modules": "c", "recipe": "none"}]})
+    q, inputs = _inputs()
+    fn(q, inputs)
+    rows = {s.fqn: s for s in te_compile.report().sites}
+    assert not rows["a"].rewritten and rows["a"].reason == (
+        "[rewrite] sdpa = false and DelayedScaling.fp8_dpa = false"), rows["a"]
+    assert rows["b"].rewritten and rows["b"].recipe == "Float8CurrentScaling", rows["b"]
+    assert not rows["c"].rewritten and rows["c"].reason.startswith("recipe 'none'"), rows["c"]
+
+
+def test_rewrite_sdpa_key_enables_every_site():
+    torch._dynamo.reset()
+    te_compile.reset()
+    fn = torch.compile(Sdpa(is_causal=True), backend="te", options={
+        "recipe": "MXFP8BlockScaling", "rewrite": {"sdpa": True}, "compiler": "aot_eager"})
+    q, inputs = _inputs()
+    o = fn(q, inputs)
+    (row,) = te_compile.report().sites
+    assert row.rewritten and row.recipe == "MXFP8BlockScaling", row
+    assert_bitwise_equal(o, _reference_call("causal", q, inputs)[0])
+
+
+def test_compiled_forward_saves_fp8_qkv_o_and_the_logsumexp():
+    """Under inductor (whose partitioner picks what to save): FP8 Q, K, V, O, their descales and
+    lse [B, H, T], nothing of shape [.., T, T] and nothing in high precision but lse."""
+    torch._dynamo.reset()
+    fn = torch.compile(Sdpa(kv="gqa", is_causal=True, enable_gqa=True), backend="te",
+                       options={"recipe": "Float8CurrentScaling", "fp8_dpa": True})
+    q, inputs = _inputs()
+    q = q.detach().to(torch.bfloat16).requires_grad_()
+    inputs["gqa"] = tuple(t.detach().to(torch.bfloat16).requires_grad_() for t in inputs["gqa"])
+    saved = []
+
+    def pack(t):
+        if not isinstance(t, nn.Parameter):
+            saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        o = fn(q, inputs)
+    e4m3 = torch.float8_e4m3fn
+    assert sorted(saved, key=str) == sorted([
+        ((B, H, T, D), e4m3), ((B, HKV, T, D), e4m3), ((B, HKV, T, D), e4m3), ((B, H, T, D), e4m3),
+        ((B, H), torch.float32), ((B, HKV), torch.float32), ((B, HKV), torch.float32), ((B, H), torch.float32),
+        ((B, H, T), torch.float32)], key=str), saved
+    o.float().sum().backward()
+    assert q.grad.dtype == torch.bfloat16 and inputs["gqa"][0].grad.shape == (B, HKV, T, D)
