@@ -15,6 +15,7 @@ from te_compile.kernels._fp_bits import HAS_TRITON
 from te_compile.kernels.fp8_attention import (
     P_SCALE,
     fp8_attention_backward_reference,
+    fp8_attention_backward_triton,
     fp8_attention_forward_reference,
     fp8_attention_forward_triton,
     quantize_heads,
@@ -236,3 +237,29 @@ def test_triton_forward_matches_reference(case):
     torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=0, atol=2e-6)
     tol = dict(rtol=0, atol=5e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0)
     torch.testing.assert_close(o, o_ref, **tol)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("fp8_grads", [False, True], ids=["high_precision", "fp8"])
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_backward_matches_reference(case, fp8_grads):
+    b, h, hkv, tq, tk, d, form, dtype = TRITON_CASES[case]
+    q, k, v = _qkv(b, h, hkv, tq, tk, d)
+    kwargs, _ = _form(form, q, k, v)
+    if form == "bool":
+        kwargs["mask"][0, 0, 5] = False   # a fully masked row
+    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
+    args = (q8, k8, v8, qd, kd, vd)
+    kwargs["sm_scale"] = 1 / math.sqrt(d)
+    o, lse = fp8_attention_forward_reference(*args, out_dtype=dtype, **kwargs)
+    do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
+    # the "float-bf16" case also takes E4M3 gradients (an E4M3 recipe)
+    grad_dtype = torch.float8_e4m3fn if dtype == torch.bfloat16 else torch.float8_e5m2
+    kwargs.update(fp8_grads=fp8_grads, grad_dtype=grad_dtype)
+    expect = fp8_attention_backward_reference(do, *args, o, lse, **kwargs)
+    got = fp8_attention_backward_triton(do, *args, o, lse, **kwargs)
+    for name, g, e in zip("qkv", got, expect):
+        assert g.shape == e.shape and g.dtype == torch.float32
+        # the same values up to the order of fp32 sums (per-block accumulation vs whole matrices)
+        torch.testing.assert_close(g, e, rtol=0, atol=2e-6 * e.abs().max().item(), msg=f"d{name}")

@@ -36,7 +36,7 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
 
 if HAS_TRITON:
-    __all__ += ["fp32_to_fp8_bits", "round_to_e4m3", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
+    __all__ += ["fp32_to_fp8_bits", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
 
     @triton.jit
     def _round_magnitude(a, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
@@ -82,6 +82,14 @@ if HAS_TRITON:
         sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
         r = _round_magnitude(tl.abs(v), 3, -6, 448.0)
         r = (r.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)  # keeps -0.0
+        return tl.where(v != v, v, r)
+
+    @triton.jit
+    def round_to_e5m2(v):
+        """fp32 value of the saturating RNE e5m2 cast of ``v`` (NaN stays NaN; ±inf saturate)."""
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        r = _round_magnitude(tl.abs(v), 2, -14, 57344.0)
+        r = (r.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
         return tl.where(v != v, v, r)
 
     @triton.jit

@@ -48,10 +48,11 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._fp_bits import round_to_e4m3
+    from ._fp_bits import round_to_e4m3, round_to_e5m2
 
 __all__ = ["quantize_heads", "fp8_attention_forward", "fp8_attention_forward_reference", "fp8_attention_backward",
-           "fp8_attention_backward_reference", "fp8_attention_forward_triton", "P_SCALE", "BLOCK_N", "E4M3"]
+           "fp8_attention_backward_reference", "fp8_attention_forward_triton",
+           "fp8_attention_backward_triton", "P_SCALE", "BLOCK_N", "E4M3"]
 
 E4M3 = torch.float8_e4m3fn
 # P = exp(s - m) lies in [0, 1]: a fixed scale maps it onto E4M3's range (FlashAttention-3's choice)
@@ -294,15 +295,8 @@ def fp8_attention_forward_triton(
     q8, k8, v8 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q8, k8, v8))
     o = torch.empty((b, h, tq, d), dtype=out_dtype, device=q8.device)
     lse = torch.empty((b, h, tq), dtype=torch.float32, device=q8.device)
-    kind = _MASK_NONE
-    strides = (0, 0, 0, 0)
-    mask_arg = lse   # never read without a mask (MASK_KIND is a constexpr)
-    if mask is not None:
-        kind = _MASK_BOOL if mask.dtype == torch.bool else _MASK_ADD
-        mask_arg = mask.expand(b, h, tq, tk)
-        if kind == _MASK_BOOL:
-            mask_arg = mask_arg.view(torch.uint8)
-        strides = mask_arg.stride()
+    # without a mask the kernel never reads its pointer (MASK_KIND is a constexpr)
+    mask_arg, kind, strides = _mask_args(mask, b, h, tq, tk, lse)
     if b * h * tq == 0:
         return o, lse
     grid = (triton.cdiv(tq, _BLOCK_M), b * h)
@@ -329,10 +323,224 @@ def fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, *, sm_sca
                 out_dtype=out_dtype)
 
 
+# ---------------------------------------------------------------------------------------------------
+# Triton backward, FlashAttention-2's split: one kernel walks the queries for each block of keys
+# (dK, dV), one walks the keys for each block of queries (dQ); both recompute P from lse, so nothing
+# of size [Tq, Tk] exists. D = rowsum(dO * O), the "fp8" mode's dO quantization and dS's scale are
+# computed in torch before the launch (per row or per (batch, head), cheap). dK and dV are written
+# per query head and summed over each key/value head's group afterwards. The high-precision mode's
+# dots take fp32 operands (TF32 tensor cores on GPUs, exact fp32 in the interpreter).
+
+if HAS_TRITON:
+    @triton.jit
+    def _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+        """P [BLOCK_M, BLOCK_N] = exp(S - lse) of FP8 q [BLOCK_M, D] and k [BLOCK_N, D]; 0 where masked."""
+        s = tl.dot(q, tl.trans(k)) * kv_scale
+        allowed = (rows < TQ)[:, None] & (cols < TK)[None, :] & (lse != float("-inf"))[:, None]
+        if CAUSAL:
+            allowed = allowed & (rows[:, None] >= cols[None, :])
+        if MASK_KIND == 1:
+            allowed = allowed & (tl.load(mptr, mask=allowed, other=0) != 0)
+        if MASK_KIND == 2:
+            s = s + tl.load(mptr, mask=allowed, other=0.0).to(tl.float32)
+        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
+        return tl.where(allowed, tl.exp(s - lse_safe[:, None]), 0.0)
+
+    @triton.jit
+    def _to_grad_fp8(x, GRAD_E4M3: tl.constexpr):
+        if GRAD_E4M3:
+            return round_to_e4m3(x).to(tl.float8e4nv)
+        return round_to_e5m2(x).to(tl.float8e5)
+
+    @triton.jit
+    def _fp8_attention_bwd_dkdv_kernel(
+        q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, vd_ptr, mask_ptr, do_ptr, do8_ptr, dod_ptr, dss_ptr,
+        lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        sm_scale, TQ, TK, H, GROUP,
+        s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_mb, s_mh, s_mq, s_mk, s_db, s_dh, s_dt,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, P_SCALE: tl.constexpr, FP8_GRADS: tl.constexpr,
+        GRAD_E4M3: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hkv = h // GROUP
+        hkv_all = H // GROUP
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        dims = tl.arange(0, BLOCK_D)
+        cmask = cols < TK
+        dmask = dims < D
+        tile_n = cmask[:, None] & dmask[None, :]
+        k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)
+        v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
+        qd = tl.load(qd_ptr + b * H + h)
+        kv_scale = qd * tl.load(kd_ptr + b * hkv_all + hkv) * sm_scale
+        vd = tl.load(vd_ptr + b * hkv_all + hkv)
+        dod = tl.load(dod_ptr + pid_bh)
+        dss = tl.load(dss_ptr + pid_bh)
+        dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+        lo = 0
+        if CAUSAL:   # queries before this key block see none of it
+            lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+        for start in range(lo, TQ, BLOCK_M):
+            rows = start + tl.arange(0, BLOCK_M)
+            rmask = rows < TQ
+            tile_m = rmask[:, None] & dmask[None, :]
+            q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile_m, other=0.0)
+            lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
+            delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
+            mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
+            p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
+            d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
+            if FP8_GRADS:
+                do8 = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
+                p8 = round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)
+                dv += tl.dot(tl.trans(p8), do8)
+                dp = tl.dot(do8, tl.trans(v)) * (dod * vd)
+                ds8 = _to_grad_fp8(p * (dp - delta[:, None]) * dss, GRAD_E4M3)
+                dk += tl.dot(tl.trans(ds8), q)
+            else:
+                do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
+                dv += tl.dot(tl.trans(p), do)
+                dp = tl.dot(do, tl.trans(v.to(tl.float32) * vd))
+                ds = p * (dp - delta[:, None])
+                dk += tl.dot(tl.trans(ds), q.to(tl.float32) * qd)
+        if FP8_GRADS:
+            dv = dv * (dod / P_SCALE)
+            dk = dk * ((1.0 / dss) * qd * sm_scale)
+        else:
+            dk = dk * sm_scale
+        out = pid_bh * TK * D + cols[:, None] * D + dims[None, :]
+        tl.store(dk_ptr + out, dk, mask=tile_n)
+        tl.store(dv_ptr + out, dv, mask=tile_n)
+
+    @triton.jit
+    def _fp8_attention_bwd_dq_kernel(
+        q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, vd_ptr, mask_ptr, do_ptr, do8_ptr, dod_ptr, dss_ptr,
+        lse_ptr, delta_ptr, dq_ptr,
+        sm_scale, TQ, TK, H, GROUP,
+        s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_mb, s_mh, s_mq, s_mk, s_db, s_dh, s_dt,
+        D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, P_SCALE: tl.constexpr, FP8_GRADS: tl.constexpr,
+        GRAD_E4M3: tl.constexpr,
+    ):
+        pid_m = tl.program_id(0)
+        pid_bh = tl.program_id(1)
+        b = pid_bh // H
+        h = pid_bh % H
+        hkv = h // GROUP
+        hkv_all = H // GROUP
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        dims = tl.arange(0, BLOCK_D)
+        rmask = rows < TQ
+        dmask = dims < D
+        tile_m = rmask[:, None] & dmask[None, :]
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile_m, other=0.0)
+        kd = tl.load(kd_ptr + b * hkv_all + hkv)
+        kv_scale = tl.load(qd_ptr + b * H + h) * kd * sm_scale
+        vd = tl.load(vd_ptr + b * hkv_all + hkv)
+        dod = tl.load(dod_ptr + pid_bh)
+        dss = tl.load(dss_ptr + pid_bh)
+        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
+        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
+        d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
+        if FP8_GRADS:
+            do8 = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
+        else:
+            do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
+        dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        hi = TK
+        if CAUSAL:
+            hi = tl.minimum(TK, (pid_m + 1) * BLOCK_M)
+        for start in range(0, hi, BLOCK_N):
+            cols = start + tl.arange(0, BLOCK_N)
+            tile_n = (cols < TK)[:, None] & dmask[None, :]
+            k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)
+            v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
+            mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
+            p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
+            if FP8_GRADS:
+                dp = tl.dot(do8, tl.trans(v)) * (dod * vd)
+                ds8 = _to_grad_fp8(p * (dp - delta[:, None]) * dss, GRAD_E4M3)
+                dq += tl.dot(ds8, k)
+            else:
+                dp = tl.dot(do, tl.trans(v.to(tl.float32) * vd))
+                ds = p * (dp - delta[:, None])
+                dq += tl.dot(ds, k.to(tl.float32) * kd)
+        if FP8_GRADS:
+            dq = dq * ((1.0 / dss) * kd * sm_scale)
+        else:
+            dq = dq * sm_scale
+        tl.store(dq_ptr + pid_bh * TQ * D + rows[:, None] * D + dims[None, :], dq, mask=tile_m)
+
+
+def _mask_args(mask, b, h, tq, tk, fallback):
+    """(kernel pointer, MASK_KIND, strides [B, H, Tq, Tk]) of a mask broadcast to [B, H, Tq, Tk]."""
+    if mask is None:
+        return fallback, _MASK_NONE, (0, 0, 0, 0)
+    kind = _MASK_BOOL if mask.dtype == torch.bool else _MASK_ADD
+    arg = mask.expand(b, h, tq, tk)
+    if kind == _MASK_BOOL:
+        arg = arg.view(torch.uint8)
+    return arg, kind, arg.stride()
+
+
+def fp8_attention_backward_triton(
+    do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
+    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+    o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
+    mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
+    grad_dtype: torch.dtype = torch.float8_e5m2,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
+    require_triton("fp8_attention_backward_triton")
+    b, h, tq, d = q8.shape
+    hkv, tk = k8.shape[1], k8.shape[2]
+    if h % hkv:
+        raise ValueError(f"query heads ({h}) must be a multiple of key/value heads ({hkv})")
+    if grad_dtype not in (torch.float8_e5m2, E4M3):
+        raise ValueError(f"grad_dtype must be float8_e5m2 or float8_e4m3fn, got {grad_dtype}")
+    group = h // hkv
+    q8, k8, v8 = (t if t.stride(-1) == 1 else t.contiguous() for t in (q8, k8, v8))
+    do = do.contiguous()
+    # per query row: D = rowsum(dO * O); per (batch, head): dO's and dS's scales (module docstring)
+    delta = (do.to(torch.float32) * o.to(torch.float32)).sum(dim=-1).contiguous()
+    if fp8_grads:
+        do32 = do.to(torch.float32)
+        do8, do_descale = quantize_heads(do32, grad_dtype)
+        v = _dequantized(v8, v_descale)
+        bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v.norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
+        ds_scale = compute_scale(bound, grad_dtype)
+    else:
+        do8, do_descale = do, torch.ones((b, h), device=do.device)
+        ds_scale = torch.ones((b, h), device=do.device)
+    dq = torch.empty((b, h, tq, d), dtype=torch.float32, device=q8.device)
+    dk = torch.empty((b, h, tk, d), dtype=torch.float32, device=q8.device)
+    dv = torch.empty((b, h, tk, d), dtype=torch.float32, device=q8.device)
+    if b * h == 0 or tq == 0 or tk == 0:
+        dk.zero_(), dv.zero_(), dq.zero_()
+        return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+    mask_arg, kind, m_strides = _mask_args(mask, b, h, tq, tk, lse)
+    args = (q8, k8, v8, q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), mask_arg,
+            do, do8, do_descale.contiguous(), ds_scale.contiguous(), lse.contiguous(), delta)
+    scalars = (float(sm_scale), tq, tk, h, group, *q8.stride()[:3], *k8.stride()[:3], *v8.stride()[:3],
+               *m_strides, *do.stride()[:3])
+    meta = dict(D=d, BLOCK_D=max(32, triton.next_power_of_2(d)), BLOCK_M=_BLOCK_M, BLOCK_N=BLOCK_N,
+                CAUSAL=bool(causal), MASK_KIND=kind, P_SCALE=P_SCALE, FP8_GRADS=bool(fp8_grads),
+                GRAD_E4M3=grad_dtype == E4M3, num_warps=4)
+    _fp8_attention_bwd_dkdv_kernel[(triton.cdiv(tk, BLOCK_N), b * h)](*args, dk, dv, *scalars, **meta)
+    _fp8_attention_bwd_dq_kernel[(triton.cdiv(tq, _BLOCK_M), b * h)](*args, dq, *scalars, **meta)
+    return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+
+
 def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, *, sm_scale: float,
                            causal: bool = False, mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
                            grad_dtype: torch.dtype = torch.float8_e5m2):
-    """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them."""
-    return fp8_attention_backward_reference(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
-                                            sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
-                                            grad_dtype=grad_dtype)
+    """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them: the Triton kernels on sm89+
+    GPUs, the reference elsewhere."""
+    impl = fp8_attention_backward_triton if _triton_forward(q8) else fp8_attention_backward_reference
+    return impl(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal,
+                mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype)
