@@ -209,8 +209,13 @@ def test_compiled_forward_saves_fp8_qkv_o_and_the_logsumexp():
     fn = torch.compile(Sdpa(kv="gqa", is_causal=True, enable_gqa=True), backend="te",
                        options={"recipe": "Float8CurrentScaling", "fp8_dpa": True})
     q, inputs = _inputs()
-    q = q.detach().to(torch.bfloat16).requires_grad_()
-    inputs["gqa"] = tuple(t.detach().to(torch.bfloat16).requires_grad_() for t in inputs["gqa"])
+
+    def as_model_does(t):   # [B, T, H, D] data seen as [B, H, T, D], bf16, a leaf
+        return t.detach().transpose(1, 2).contiguous().transpose(1, 2).to(torch.bfloat16).requires_grad_()
+
+    q = as_model_does(q)
+    inputs["gqa"] = tuple(as_model_does(t) for t in inputs["gqa"])
+    assert not q.is_contiguous()
     saved = []
 
     def pack(t):

@@ -86,7 +86,10 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
                                    causal=causal, mask=mask, out_dtype=q.dtype)
     # O is saved for the backward's D = rowsum(dO * O); in FP8 like Q, K, V
     o8, o_descale = quantize_heads(o)
-    return o, lse, q8, k8, v8, o8, q_descale, k_descale, v_descale, o_descale
+    # contiguous, as the fake outputs are: q, k, v often arrive as transposed views ([B, T, H, D] data)
+    # and the casts keep their strides
+    return (o.contiguous(), lse.contiguous(), q8.contiguous(), k8.contiguous(), v8.contiguous(), o8.contiguous(),
+            q_descale, k_descale, v_descale, o_descale)
 
 
 @_forward_op.register_fake
@@ -110,7 +113,7 @@ def _backward_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch
     dq, dk, dv = fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
                                         sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
                                         grad_dtype=grad_dtype)
-    return dq.to(do.dtype), dk.to(do.dtype), dv.to(do.dtype)
+    return dq.to(do.dtype).contiguous(), dk.to(do.dtype).contiguous(), dv.to(do.dtype).contiguous()
 
 
 @_backward_op.register_fake
