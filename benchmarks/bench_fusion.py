@@ -37,6 +37,8 @@ from te_compile.models import GPT
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
 # the same recipes with norm fusion off, to show what it changes (MXFP8 norms are not fused anyway)
 UNFUSED = {"layer_norm": False, "rms_norm": False}
+# and with FP8 attention (Q, K, V, O saved in FP8 instead of the input dtype)
+ATTENTION = {"sdpa": True}
 
 
 def _model(t: int, c: int, layers: int, device: torch.device) -> GPT:
@@ -131,7 +133,9 @@ def _measure(provider: str, model, x, y, rewrite=None) -> dict:
         else:
             compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, rewrite=rewrite or {}))
         saved = saved_bytes(compiled, x, y)
-    name = provider if provider == "inductor" else f"te {provider}{', norms unfused' if rewrite else ''}"
+    variant = {None: "", "UNFUSED": ", norms unfused", "ATTENTION": ", FP8 attention"}[
+        None if not rewrite else "UNFUSED" if rewrite == UNFUSED else "ATTENTION"]
+    name = provider if provider == "inductor" else f"te {provider}{variant}"
     return {"provider": name,
             "kernels": metrics.generated_kernel_count, "distinct": code.defined(), "launches": code.launches(),
             "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
@@ -152,7 +156,8 @@ def main() -> None:
     x = torch.randint(0, 256, (b, t), generator=gen).to(device)
     y = torch.randint(0, 256, (b, t), generator=gen).to(device)
     rows = []
-    runs = [("inductor", None)] + [(r, None) for r in RECIPES] + [(r, UNFUSED) for r in RECIPES[:2]]
+    runs = ([("inductor", None)] + [(r, None) for r in RECIPES] + [(r, UNFUSED) for r in RECIPES[:2]]
+            + [(RECIPES[0], ATTENTION)])
     for provider, rewrite in runs:
         row = _measure(provider, _model(t, c, args.layers, device), x, y, rewrite)
         rows.append(row)
