@@ -10,6 +10,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +19,8 @@ import te_compile
 from te_compile.cli import main
 from te_compile.data import VOCAB_SIZE, get_batch
 from te_compile.models import gpt_small
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
@@ -119,8 +122,12 @@ def test_plot_without_matplotlib_exits_2_before_training(monkeypatch, capsys):
     assert "step" not in captured.out  # nothing was trained
 
 
-def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys):
+@pytest.mark.parametrize("config, sites", [(None, "9 of 10"), ("examples/fp8_attention.toml", "10 of 10")],
+                         ids=["default", "fp8_attention"])
+def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, config, sites):
     argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "3", "--batch-size", "2"]
+    if config is not None:
+        argv += ["--config", str(REPO / config)]
     plot = tmp_path / "loss.png"
     try:
         import matplotlib.figure  # noqa: F401
@@ -131,7 +138,7 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys):
     out = capsys.readouterr().out
     for text in ("te Float8CurrentScaling", "high precision (aot_eager)", "step    3/3",
                  "final loss (mean of last 3 steps)", "final-loss gap (te vs high precision)",
-                 "tokens/s (steps 2.., compile excluded)", "9 of 9 sites rewritten"):
+                 "tokens/s (steps 2.., compile excluded)", f"{sites} sites rewritten"):
         assert text in out, f"{text!r} missing from:\n{out}"
     # saved-for-backward MiB of the te and high-precision runs: FP8 copies are smaller
     row = next(line for line in out.splitlines() if line.startswith("saved for backward"))
