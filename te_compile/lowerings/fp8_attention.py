@@ -3,9 +3,9 @@
 Two opaque custom ops around kernels/fp8_attention.py, tied together by an autograd.Function:
 
     te_compile::fp8_attention_forward(q, k, v, mask, sm_scale, causal)
-        -> o (q's dtype), lse, q8, k8, v8, o8 (FP8), q/k/v/o descales [B, H or Hkv] (fp32)
-    te_compile::fp8_attention_backward(dO, q8, k8, v8, descales, o8, lse, mask, ..., fp8_grads, grad_dtype)
-        -> dq, dk, dv
+        -> o (q's dtype), lse [B, H, Tq], q8, k8, v8, o8 (E4M3), q/k/v/o descales [B, H or Hkv] (fp32)
+    te_compile::fp8_attention_backward(dO, q8, k8, v8, o8, the four descales, lse, mask, sm_scale, causal,
+                                       fp8_grads, grad_dtype) -> dq, dk, dv (dO's dtype)
 
 Why opaque (custom ops, not inlined torch as the linears' quantization is): aot_autograd's
 partitioner picks what the forward hands to the backward from the traced joint graph, and would be
@@ -15,8 +15,9 @@ outputs that ``Fp8AttentionFunction`` saves: FP8 Q, K, V and O, their descales a
 [B, H, Tq] (plus the mask, an input). The quantization of Q, K, V runs inside the forward op, so
 nothing in high precision outlives it.
 
-On CUDA the ops run the Triton kernels where they exist (kernels/fp8_attention.py says which),
-elsewhere the pure-torch references: the CPU numerics are the kernels' numerics.
+On sm89+ GPUs the ops run the Triton kernels of kernels/fp8_attention.py (FP8 tensor cores, no
+[Tq, Tk] buffer in either direction), elsewhere their pure-torch references: the CPU numerics are
+the kernels' numerics. The quantization of Q, K, V (and dO in "fp8" mode) is torch around the kernels.
 """
 
 from __future__ import annotations
