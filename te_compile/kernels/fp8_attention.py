@@ -1,7 +1,8 @@
-"""FP8 attention forward: the numerics of a flash-attention kernel with E4M3 Q, K, V and P.
+"""FP8 attention: the numerics of a flash-attention forward and backward with E4M3 Q, K, V and P.
 
-Pure-torch references of the forward and the backward (CPU runs them; the Triton kernels compute the
-same algorithms). For q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv: grouped-query
+Pure-torch references of the forward and the backward (CPU runs them) and, beside them, the Triton
+kernels computing the same algorithms (sm89+ GPUs; tested against the references in Triton's
+interpreter). For q [B, H, Tq, D], k and v [B, Hkv, Tk, D] (H a multiple of Hkv: grouped-query
 attention), all arithmetic in fp32:
 
     q8, q_descale = quantize_heads(q)     E4M3 bytes, one current-scaling scale per (batch, head):
