@@ -232,18 +232,24 @@ TRITON_CASES = {
 }
 
 
-@needs_triton
-@pytest.mark.filterwarnings("ignore::RuntimeWarning")
-@pytest.mark.parametrize("case", TRITON_CASES)
-def test_triton_forward_matches_reference(case):
+def _triton_case(case):
+    """(FP8 operands and descales, reference kwargs with sm_scale, output dtype) of a TRITON_CASES entry."""
     b, h, hkv, tq, tk, d, form, dtype = TRITON_CASES[case]
     q, k, v = _qkv(b, h, hkv, tq, tk, d)
     kwargs, _ = _form(form, q, k, v)
     if form == "bool":
         kwargs["mask"][0, 0, 5] = False   # a fully masked row
     (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
-    args = (q8, k8, v8, qd, kd, vd)
-    kwargs.update(sm_scale=1 / math.sqrt(d), out_dtype=dtype)
+    kwargs["sm_scale"] = 1 / math.sqrt(d)
+    return (q8, k8, v8, qd, kd, vd), kwargs, dtype
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("case", TRITON_CASES)
+def test_triton_forward_matches_reference(case):
+    args, kwargs, dtype = _triton_case(case)
+    kwargs["out_dtype"] = dtype
     o_ref, lse_ref = fp8_attention_forward_reference(*args, **kwargs)
     moved, moved_kwargs = _on_kernel_device(args, kwargs)
     o, lse = fp8_attention_forward_triton(*moved, **moved_kwargs)
@@ -263,14 +269,7 @@ def test_triton_forward_matches_reference(case):
 @pytest.mark.parametrize("fp8_grads", [False, True], ids=["high_precision", "fp8"])
 @pytest.mark.parametrize("case", TRITON_CASES)
 def test_triton_backward_matches_reference(case, fp8_grads):
-    b, h, hkv, tq, tk, d, form, dtype = TRITON_CASES[case]
-    q, k, v = _qkv(b, h, hkv, tq, tk, d)
-    kwargs, _ = _form(form, q, k, v)
-    if form == "bool":
-        kwargs["mask"][0, 0, 5] = False   # a fully masked row
-    (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
-    args = (q8, k8, v8, qd, kd, vd)
-    kwargs["sm_scale"] = 1 / math.sqrt(d)
+    args, kwargs, dtype = _triton_case(case)
     o, lse = fp8_attention_forward_reference(*args, out_dtype=dtype, **kwargs)
     do = torch.randn(o.shape, generator=torch.Generator().manual_seed(5)).to(dtype)
     # the "float-bf16" case also takes E4M3 gradients (an E4M3 recipe)
