@@ -27,7 +27,7 @@ from ..lowerings.fp8_attention import AttentionLowering, AttentionSpec
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .matching import shape_text
+from .matching import shape_text, value_of
 from .sites import module_fqn
 
 if TYPE_CHECKING:
@@ -50,10 +50,6 @@ def _args(node: fx.Node) -> dict[str, Any]:
     return args
 
 
-def _value(node) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
 
 def _ineligibility(args: dict) -> Optional[str]:
     """Why this call stays SDPA, or None when FP8 attention computes it."""
@@ -62,7 +58,7 @@ def _ineligibility(args: dict) -> Optional[str]:
             return f"{name} is computed in the graph, not a constant"
     if args["dropout_p"] != 0:
         return f"dropout_p={args['dropout_p']} (FP8 attention has no dropout)"
-    q, k, v = (_value(args[n]) for n in ("query", "key", "value"))
+    q, k, v = (value_of(args[n]) for n in ("query", "key", "value"))
     if q is None or k is None or v is None:
         return "q, k or v is not a tensor the graph describes"
     if any(t.is_nested for t in (q, k, v)):
@@ -92,7 +88,7 @@ def _ineligibility(args: dict) -> Optional[str]:
             return f"query heads ({h}) are not a multiple of key/value heads ({hkv})"
     mask_node = args["attn_mask"]
     if mask_node is not None:
-        mask = _value(mask_node)
+        mask = value_of(mask_node)
         if mask is None:
             return "attn_mask is not a tensor the graph describes"
         if mask.dtype != torch.bool and mask.dtype != q.dtype:
@@ -140,7 +136,7 @@ def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
         if reason is not None:
             record(False, f"{reason} (left in high precision)", recipe.name)
             continue
-        d = _value(args["query"]).shape[-1]
+        d = value_of(args["query"]).shape[-1]
         scale = args["scale"]
         spec = AttentionSpec(fqn, recipe, float(scale) if scale is not None else 1.0 / math.sqrt(d),
                              bool(args["is_causal"]), recipe.fp8_dpa_backward == "fp8")

@@ -9,7 +9,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowerings.sharded_linear import local_value
 from ..recipe import Recipe
-from .matching import shape_text
+from .matching import shape_text, value_of
 from .sites import LinearSite
 
 __all__ = ["linear_ineligibility", "weight_ineligibility", "shape_str", "FLOAT_DTYPES", "gemm_alignment"]
@@ -44,10 +44,6 @@ def weight_ineligibility(weight: torch.Tensor, recipe: Recipe) -> Optional[str]:
     return None
 
 
-def _value(node) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if node is not None else None
-    return value if isinstance(value, torch.Tensor) else None
-
 
 def _divisible(dim, by: int) -> bool:
     """True when ``dim`` (int or SymInt) is known to be a multiple of ``by`` for every shape the
@@ -71,7 +67,7 @@ def shape_str(site: LinearSite) -> str:
 
 def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     # DTensor operands run shard by shard: judge the local shards (a column-parallel N is N / tp)
-    x, w = local_value(_value(site.x)), local_value(_value(site.weight))
+    x, w = local_value(value_of(site.x)), local_value(value_of(site.weight))
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
     if w.dim() != 2:

@@ -13,8 +13,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["CASTS", "MUL", "ADD", "method_or_name", "calls", "strip_casts", "squared", "dtype_of", "shape_of",
-           "shape_text"]
+__all__ = ["CASTS", "MUL", "ADD", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
+           "shape_of", "shape_text"]
 
 # dtype casts between floating-point dtypes
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
@@ -59,14 +59,20 @@ def squared(node) -> Optional[fx.Node]:
     return None
 
 
-def dtype_of(node) -> Optional[torch.dtype]:
+def value_of(node) -> Optional[torch.Tensor]:
+    """The (fake) tensor Dynamo recorded for ``node``; None for non-nodes and non-tensor values."""
     value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value.dtype if isinstance(value, torch.Tensor) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def dtype_of(node) -> Optional[torch.dtype]:
+    value = value_of(node)
+    return None if value is None else value.dtype
 
 
 def shape_of(node) -> Optional[tuple]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return tuple(value.shape) if isinstance(value, torch.Tensor) else None
+    value = value_of(node)
+    return None if value is None else tuple(value.shape)
 
 
 def shape_text(name: str, node) -> Optional[str]:

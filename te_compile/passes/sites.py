@@ -23,6 +23,7 @@ import torch
 import torch.fx as fx
 
 from .graphs import GraphScope, ParamRef, normalize_path
+from .matching import value_of
 
 __all__ = ["LinearSite", "module_fqn", "find_linear_sites"]
 
@@ -76,13 +77,9 @@ def module_fqn(node: fx.Node) -> str:
     return normalize_path(path)
 
 
-def _value(node) -> Optional[torch.Tensor]:
-    value = node.meta.get("example_value") if isinstance(node, fx.Node) else None
-    return value if isinstance(value, torch.Tensor) else None
-
 
 def _rank(node) -> int:
-    value = _value(node)
+    value = value_of(node)
     return value.dim() if value is not None else -1
 
 
