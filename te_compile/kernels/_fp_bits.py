@@ -77,20 +77,22 @@ if HAS_TRITON:
         return code
 
     @triton.jit
-    def round_to_e4m3(v):
-        """fp32 value of the saturating RNE e4m3fn cast of ``v`` (NaN stays NaN)."""
+    def _round_value(v, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
+        """fp32 value of the saturating RNE cast of ``v`` to a minifloat (NaN stays NaN)."""
         sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        r = _round_magnitude(tl.abs(v), 3, -6, 448.0)
+        r = _round_magnitude(tl.abs(v), M_BITS, EMIN, MAX)
         r = (r.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)  # keeps -0.0
         return tl.where(v != v, v, r)
 
     @triton.jit
+    def round_to_e4m3(v):
+        """fp32 value of the saturating RNE e4m3fn cast of ``v`` (NaN stays NaN)."""
+        return _round_value(v, 3, -6, 448.0)
+
+    @triton.jit
     def round_to_e5m2(v):
         """fp32 value of the saturating RNE e5m2 cast of ``v`` (NaN stays NaN; ±inf saturate)."""
-        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
-        r = _round_magnitude(tl.abs(v), 2, -14, 57344.0)
-        r = (r.to(tl.int32, bitcast=True) | (sign << 31)).to(tl.float32, bitcast=True)
-        return tl.where(v != v, v, r)
+        return _round_value(v, 2, -14, 57344.0)
 
     @triton.jit
     def fp32_to_e2m1_bits(v):
