@@ -87,6 +87,12 @@ def _block_bias(mask: Optional[torch.Tensor], causal: bool, rows: int, cols: tor
     return bias
 
 
+def _score_scale(q_descale: torch.Tensor, k_descale: torch.Tensor, group: int, sm_scale: float) -> torch.Tensor:
+    """[B, H, 1, 1]: what (q8 @ k8ᵀ) is multiplied by to give the scores, (q_descale * k_descale) * sm_scale
+    (the kernels' order of operations too)."""
+    return (q_descale * k_descale.repeat_interleave(group, dim=1) * sm_scale)[..., None, None]
+
+
 def fp8_attention_forward_reference(
     q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
@@ -104,7 +110,7 @@ def fp8_attention_forward_reference(
     # grouped-query attention: each key/value head serves ``group`` consecutive query heads
     k = k8.to(torch.float32).repeat_interleave(group, dim=1)
     v = v8.to(torch.float32).repeat_interleave(group, dim=1)
-    kv_scale = (q_descale * k_descale.repeat_interleave(group, dim=1) * sm_scale)[..., None, None]
+    kv_scale = _score_scale(q_descale, k_descale, group, sm_scale)
     v_descale = (v_descale.repeat_interleave(group, dim=1) / P_SCALE)[..., None, None]
     q = q8.to(torch.float32)
     if mask is not None:
@@ -148,6 +154,16 @@ def _per_kv_head(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(b, h // group, group, t, d).sum(dim=2)
 
 
+def _fp8_grad_scales(do32: torch.Tensor, v8: torch.Tensor, v_descale: torch.Tensor, group: int,
+                     grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The "fp8" backward's scales: (dO in ``grad_dtype`` [B, H, Tq, D], its descale [B, H], dS's scale
+    [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|)."""
+    do8, do_descale = quantize_heads(do32, grad_dtype)
+    v_rows = _dequantized(v8, v_descale).norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
+    bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v_rows
+    return do8, do_descale, compute_scale(bound, grad_dtype)
+
+
 def fp8_attention_backward_reference(
     do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
@@ -160,10 +176,9 @@ def fp8_attention_backward_reference(
     "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS."""
     h, tq, tk = q8.shape[1], q8.shape[2], k8.shape[2]
     group = h // k8.shape[1]
-    q, k, v = _dequantized(q8, q_descale), _dequantized(k8, k_descale, group), _dequantized(v8, v_descale, group)
     # the forward's scores, in the forward's order of operations
-    kv_scale = (q_descale * k_descale.repeat_interleave(group, dim=1) * sm_scale)[..., None, None]
-    s = (q8.to(torch.float32) @ k8.to(torch.float32).repeat_interleave(group, dim=1).transpose(-2, -1)) * kv_scale
+    q8f, k8f = q8.to(torch.float32), k8.to(torch.float32).repeat_interleave(group, dim=1)
+    s = (q8f @ k8f.transpose(-2, -1)) * _score_scale(q_descale, k_descale, group, sm_scale)
     if mask is not None:
         mask = mask.expand(*mask.shape[:-2], tq, tk) if mask.dim() >= 2 else mask
     bias = _block_bias(mask, causal, tq, torch.arange(tk, device=q8.device), q8.device)
@@ -175,13 +190,14 @@ def fp8_attention_backward_reference(
     do32 = do.to(torch.float32)
     delta = (do32 * o.to(torch.float32)).sum(dim=-1, keepdim=True)   # D [B, H, Tq, 1]
     if not fp8_grads:
+        q, k, v = _dequantized(q8, q_descale), _dequantized(k8, k_descale, group), _dequantized(v8, v_descale, group)
         dv = p.transpose(-2, -1) @ do32
         dp = do32 @ v.transpose(-2, -1)
         ds = p * (dp - delta)
         dq = (ds @ k) * sm_scale
         dk = (ds.transpose(-2, -1) @ q) * sm_scale
         return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
-    do8, do_descale = quantize_heads(do32, grad_dtype)
+    do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype)
     do_q = do8.to(torch.float32)
     p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q8.device), E4M3).to(torch.float32)
     dv = (p8.transpose(-2, -1) @ do_q) * (do_descale / P_SCALE)[..., None, None]
@@ -189,15 +205,11 @@ def fp8_attention_backward_reference(
     vd = v_descale.repeat_interleave(group, dim=1)
     dp = (do_q @ v_q.transpose(-2, -1)) * (do_descale * vd)[..., None, None]
     ds = p * (dp - delta)
-    # dS's scale from the bound of the module docstring: per (batch, head), before dS is computed
-    bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v.norm(dim=-1).amax(dim=-1)
-    ds_scale = compute_scale(bound, grad_dtype)
     ds8 = cast_to_fp8(ds, ds_scale[..., None, None], grad_dtype).to(torch.float32)
     ds_descale = torch.div(torch.ones_like(ds_scale), ds_scale)
-    k_q = k8.to(torch.float32).repeat_interleave(group, dim=1)
     kd = k_descale.repeat_interleave(group, dim=1)
-    dq = (ds8 @ k_q) * (ds_descale * kd * sm_scale)[..., None, None]
-    dk = (ds8.transpose(-2, -1) @ q8.to(torch.float32)) * (ds_descale * q_descale * sm_scale)[..., None, None]
+    dq = (ds8 @ k8f) * (ds_descale * kd * sm_scale)[..., None, None]
+    dk = (ds8.transpose(-2, -1) @ q8f) * (ds_descale * q_descale * sm_scale)[..., None, None]
     return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
 
 
@@ -310,8 +322,8 @@ def fp8_attention_forward_triton(
     return o, lse
 
 
-def _triton_forward(q8: torch.Tensor) -> bool:
-    """Real CUDA tensors on a GPU with FP8 tensor cores (sm89+) run the Triton forward."""
+def _use_kernels(q8: torch.Tensor) -> bool:
+    """Real CUDA tensors on a GPU with FP8 tensor cores (sm89+) run the Triton kernels."""
     return use_triton(q8) and torch.cuda.get_device_capability(q8.device) >= (8, 9)
 
 
@@ -319,7 +331,7 @@ def fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, *, sm_sca
                           mask: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32):
     """(o, lse) as ``fp8_attention_forward_reference`` computes them: the Triton kernel on sm89+ GPUs,
     the reference elsewhere."""
-    impl = fp8_attention_forward_triton if _triton_forward(q8) else fp8_attention_forward_reference
+    impl = fp8_attention_forward_triton if _use_kernels(q8) else fp8_attention_forward_reference
     return impl(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale=sm_scale, causal=causal, mask=mask,
                 out_dtype=out_dtype)
 
@@ -510,11 +522,7 @@ def fp8_attention_backward_triton(
     # per query row: D = rowsum(dO * O); per (batch, head): dO's and dS's scales (module docstring)
     delta = (do.to(torch.float32) * o.to(torch.float32)).sum(dim=-1).contiguous()
     if fp8_grads:
-        do32 = do.to(torch.float32)
-        do8, do_descale = quantize_heads(do32, grad_dtype)
-        v = _dequantized(v8, v_descale)
-        bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v.norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
-        ds_scale = compute_scale(bound, grad_dtype)
+        do8, do_descale, ds_scale = _fp8_grad_scales(do.to(torch.float32), v8, v_descale, group, grad_dtype)
     else:
         do8, do_descale = do, torch.ones((b, h), device=do.device)
         ds_scale = torch.ones((b, h), device=do.device)
@@ -542,6 +550,6 @@ def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, l
                            grad_dtype: torch.dtype = torch.float8_e5m2):
     """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them: the Triton kernels on sm89+
     GPUs, the reference elsewhere."""
-    impl = fp8_attention_backward_triton if _triton_forward(q8) else fp8_attention_backward_reference
+    impl = fp8_attention_backward_triton if _use_kernels(q8) else fp8_attention_backward_reference
     return impl(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal,
                 mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype)
