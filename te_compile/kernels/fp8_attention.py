@@ -224,6 +224,20 @@ _BLOCK_M = 64
 
 if HAS_TRITON:
     @triton.jit
+    def _masked_scores(q, k, kv_scale, rows, cols, TQ, TK, mptr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
+        """S [BLOCK_M, BLOCK_N] = (q8 · k8ᵀ) · kv_scale of FP8 q [BLOCK_M, D] and k [BLOCK_N, D], plus an
+        additive mask; -inf where the query may not see the key (out of range, causal, boolean mask)."""
+        s = tl.dot(q, tl.trans(k)) * kv_scale
+        allowed = (rows < TQ)[:, None] & (cols < TK)[None, :]
+        if CAUSAL:   # top-left aligned: query i sees keys 0..i
+            allowed = allowed & (rows[:, None] >= cols[None, :])
+        if MASK_KIND == 1:
+            allowed = allowed & (tl.load(mptr, mask=allowed, other=0) != 0)
+        if MASK_KIND == 2:
+            s = s + tl.load(mptr, mask=allowed, other=0.0).to(tl.float32)
+        return tl.where(allowed, s, float("-inf"))
+
+    @triton.jit
     def _fp8_attention_fwd_kernel(
         q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, vd_ptr, mask_ptr, o_ptr, lse_ptr,
         sm_scale, TQ, TK, H, GROUP,
@@ -258,27 +272,17 @@ if HAS_TRITON:
             hi = tl.minimum(TK, (pid_m + 1) * BLOCK_M)
         for start in range(0, hi, BLOCK_N):
             cols = start + keys
-            cmask = cols < TK
-            kt = tl.load(k_base + cols[None, :] * s_kt + dims[:, None], mask=dmask[:, None] & cmask[None, :],
-                         other=0.0)                                       # [BLOCK_D, BLOCK_N]
-            s = tl.dot(q, kt) * kv_scale                                  # fp32 [BLOCK_M, BLOCK_N]
-            allowed = cmask[None, :] & rmask[:, None]
-            if CAUSAL:
-                allowed = allowed & (rows[:, None] >= cols[None, :])
+            tile_n = (cols < TK)[:, None] & dmask[None, :]
+            k = tl.load(k_base + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)   # [BLOCK_N, BLOCK_D]
             mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
-            if MASK_KIND == 1:
-                allowed = allowed & (tl.load(mptr, mask=allowed, other=0) != 0)
-            if MASK_KIND == 2:
-                s = s + tl.load(mptr, mask=allowed, other=0.0).to(tl.float32)
-            s = tl.where(allowed, s, float("-inf"))
+            s = _masked_scores(q, k, kv_scale, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)   # fp32 [BLOCK_M, BLOCK_N]
             m_new = tl.maximum(m_i, tl.max(s, 1))
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # rows with every key masked so far
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
             p8 = round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)
-            v = tl.load(v_base + cols[:, None] * s_vt + dims[None, :], mask=cmask[:, None] & dmask[None, :],
-                        other=0.0)                                        # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)   # [BLOCK_N, BLOCK_D]
             acc = acc * alpha[:, None] + tl.dot(p8, v) * v_scale
             m_i = m_new
         empty = l_i == 0.0
@@ -347,23 +351,30 @@ def fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, *, sm_sca
 if HAS_TRITON:
     @triton.jit
     def _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr):
-        """P [BLOCK_M, BLOCK_N] = exp(S - lse) of FP8 q [BLOCK_M, D] and k [BLOCK_N, D]; 0 where masked."""
-        s = tl.dot(q, tl.trans(k)) * kv_scale
-        allowed = (rows < TQ)[:, None] & (cols < TK)[None, :] & (lse != float("-inf"))[:, None]
-        if CAUSAL:
-            allowed = allowed & (rows[:, None] >= cols[None, :])
-        if MASK_KIND == 1:
-            allowed = allowed & (tl.load(mptr, mask=allowed, other=0) != 0)
-        if MASK_KIND == 2:
-            s = s + tl.load(mptr, mask=allowed, other=0.0).to(tl.float32)
-        lse_safe = tl.where(lse == float("-inf"), 0.0, lse)
-        return tl.where(allowed, tl.exp(s - lse_safe[:, None]), 0.0)
+        """P [BLOCK_M, BLOCK_N] = exp(S - lse) of FP8 q [BLOCK_M, D] and k [BLOCK_N, D]; 0 where masked
+        and in fully masked rows (lse = -inf)."""
+        s = _masked_scores(q, k, kv_scale, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
+        empty = lse == float("-inf")
+        return tl.where(empty[:, None], 0.0, tl.exp(s - tl.where(empty, 0.0, lse)[:, None]))
 
     @triton.jit
     def _to_grad_fp8(x, GRAD_E4M3: tl.constexpr):
         if GRAD_E4M3:
             return round_to_e4m3(x).to(tl.float8e4nv)
         return round_to_e5m2(x).to(tl.float8e5)
+
+    @triton.jit
+    def _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS: tl.constexpr, GRAD_E4M3: tl.constexpr):
+        """dS [BLOCK_M, BLOCK_N] = P * (dO · Vᵀ - D) for the tile's P, dO [BLOCK_M, D] and FP8 V [BLOCK_N, D]:
+        fp32 from the dequantized V, or ("fp8": dO in the gradient format, descale ``dod``) from the FP8
+        operands, rounded to the gradient format with dS's scale ``dss``."""
+        if FP8_GRADS:
+            dp = tl.dot(do, tl.trans(v)) * (dod * vd)
+            ds = _to_grad_fp8(p * (dp - delta[:, None]) * dss, GRAD_E4M3)
+        else:
+            dp = tl.dot(do, tl.trans(v.to(tl.float32) * vd))
+            ds = p * (dp - delta[:, None])
+        return ds
 
     @triton.jit
     def _fp8_attention_bwd_dkdv_kernel(
@@ -409,17 +420,14 @@ if HAS_TRITON:
             p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
             d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
             if FP8_GRADS:
-                do8 = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
-                p8 = round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)
-                dv += tl.dot(tl.trans(p8), do8)
-                dp = tl.dot(do8, tl.trans(v)) * (dod * vd)
-                ds8 = _to_grad_fp8(p * (dp - delta[:, None]) * dss, GRAD_E4M3)
-                dk += tl.dot(tl.trans(ds8), q)
+                do = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
+                dv += tl.dot(tl.trans(round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)), do)
+                ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
+                dk += tl.dot(tl.trans(ds), q)
             else:
                 do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
                 dv += tl.dot(tl.trans(p), do)
-                dp = tl.dot(do, tl.trans(v.to(tl.float32) * vd))
-                ds = p * (dp - delta[:, None])
+                ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
                 dk += tl.dot(tl.trans(ds), q.to(tl.float32) * qd)
         if FP8_GRADS:
             dv = dv * (dod / P_SCALE)
@@ -461,7 +469,7 @@ if HAS_TRITON:
         delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
         d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
         if FP8_GRADS:
-            do8 = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
+            do = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
         else:
             do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -475,13 +483,10 @@ if HAS_TRITON:
             v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
             mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
             p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
+            ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
             if FP8_GRADS:
-                dp = tl.dot(do8, tl.trans(v)) * (dod * vd)
-                ds8 = _to_grad_fp8(p * (dp - delta[:, None]) * dss, GRAD_E4M3)
-                dq += tl.dot(ds8, k)
+                dq += tl.dot(ds, k)
             else:
-                dp = tl.dot(do, tl.trans(v.to(tl.float32) * vd))
-                ds = p * (dp - delta[:, None])
                 dq += tl.dot(ds, k.to(tl.float32) * kd)
         if FP8_GRADS:
             dq = dq * ((1.0 / dss) * kd * sm_scale)
