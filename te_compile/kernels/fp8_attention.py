@@ -51,7 +51,7 @@ if HAS_TRITON:
 
     from ._fp_bits import round_to_e4m3, round_to_e5m2
 
-__all__ = ["quantize_heads", "fp8_attention_forward", "fp8_attention_forward_reference", "fp8_attention_backward",
+__all__ = ["quantize_heads", "dequantize_heads", "fp8_attention_forward", "fp8_attention_forward_reference", "fp8_attention_backward",
            "fp8_attention_backward_reference", "fp8_attention_forward_triton",
            "fp8_attention_backward_triton", "P_SCALE", "BLOCK_N", "E4M3"]
 
@@ -139,8 +139,9 @@ def fp8_attention_forward_reference(
     return o.to(out_dtype), lse
 
 
-def _dequantized(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
-    """FP8 [B, Hx, T, D] and descale [B, Hx] -> fp32 [B, Hx * group, T, D] (each head repeated)."""
+def dequantize_heads(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
+    """``quantize_heads``'s inverse: FP8 [B, Hx, T, D] and descale [B, Hx] -> fp32 [B, Hx * group, T, D]
+    (each head repeated ``group`` times, as grouped-query attention reads a key/value head)."""
     x = x8.to(torch.float32) * descale[..., None, None]
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
@@ -159,7 +160,7 @@ def _fp8_grad_scales(do32: torch.Tensor, v8: torch.Tensor, v_descale: torch.Tens
     """The "fp8" backward's scales: (dO in ``grad_dtype`` [B, H, Tq, D], its descale [B, H], dS's scale
     [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|)."""
     do8, do_descale = quantize_heads(do32, grad_dtype)
-    v_rows = _dequantized(v8, v_descale).norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
+    v_rows = dequantize_heads(v8, v_descale).norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
     bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v_rows
     return do8, do_descale, compute_scale(bound, grad_dtype)
 
@@ -190,7 +191,7 @@ def fp8_attention_backward_reference(
     do32 = do.to(torch.float32)
     delta = (do32 * o.to(torch.float32)).sum(dim=-1, keepdim=True)   # D [B, H, Tq, 1]
     if not fp8_grads:
-        q, k, v = _dequantized(q8, q_descale), _dequantized(k8, k_descale, group), _dequantized(v8, v_descale, group)
+        q, k, v = dequantize_heads(q8, q_descale), dequantize_heads(k8, k_descale, group), dequantize_heads(v8, v_descale, group)
         dv = p.transpose(-2, -1) @ do32
         dp = do32 @ v.transpose(-2, -1)
         ds = p * (dp - delta)

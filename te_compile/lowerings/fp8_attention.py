@@ -30,6 +30,7 @@ import torch
 
 from ..kernels.fp8_attention import (
     E4M3,
+    dequantize_heads,
     fp8_attention_backward,
     fp8_attention_forward,
     quantize_heads,
@@ -110,7 +111,7 @@ def _backward_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch
                  o_descale: torch.Tensor, lse: torch.Tensor, mask: Optional[torch.Tensor], sm_scale: float,
                  causal: bool, fp8_grads: bool, grad_dtype: torch.dtype
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    o = o8.to(torch.float32) * o_descale[..., None, None]
+    o = dequantize_heads(o8, o_descale)
     dq, dk, dv = fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
                                         sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
                                         grad_dtype=grad_dtype)
