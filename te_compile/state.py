@@ -1,9 +1,14 @@
 """Delayed-scaling state (amax history and scale per role) kept as tensors the compiled graph owns.
 
-State is keyed by the weight ``nn.Parameter`` of a linear site: a recompile (new shapes, a graph
+A linear site's state is keyed by its weight ``nn.Parameter``: a recompile (new shapes, a graph
 break) finds the same tensors, two models never share state, and ``load_recipe_state_dict`` can
-create the state before the first compile. The backend registers these very tensors as buffers of
-the graph module, so the compiled forward and backward update them in place (no host sync).
+create the state before the first compile. An SDPA site has no weight, so its state (per tensor:
+query, key, value, grad_output) hangs off a parameter of the module that calls it (or of its nearest
+ancestor that has one), under a site key ("sdpa"; "core.sdpa" for a parameter-less submodule "core"):
+that parameter is what tells two instances of a module apart when they share one compiled graph. All
+SDPA calls of one module share its state, as all calls of one weight share the weight's.
+The backend registers these very tensors as buffers of the graph module, so the compiled forward and
+backward update them in place (no host sync).
 """
 
 from __future__ import annotations
@@ -14,12 +19,18 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["RoleState", "LinearState", "IncompatibleKeys", "recipe_state_dict", "load_recipe_state_dict",
-           "amax_anchor"]
+__all__ = ["RoleState", "LinearState", "AttentionState", "IncompatibleKeys", "recipe_state_dict",
+           "load_recipe_state_dict", "amax_anchor", "attention_key_param"]
 
 # Roles that keep delayed-scaling state for a linear layer (lowerings/delayed_update.py's order).
 STATE_ROLES = ("input", "weight", "grad_output")
+# ... and for an SDPA site: Q, K, V in the forward format, dO (the "fp8" backward) in the gradient's
+ATTENTION_ROLES = ("query", "key", "value", "grad_output")
+# the recipe role (recipe.ROLES) whose FP8 format a state role takes
+FORMAT_ROLES = {"query": "input", "key": "input", "value": "input"}
 FIELDS = ("scale", "amax_history")
+# the last component of an SDPA site's name in the state dict ("blocks.0.attn.sdpa")
+ATTENTION_SITE = "sdpa"
 
 
 @dataclass
@@ -28,8 +39,10 @@ class RoleState:
     scale: torch.Tensor          # fp32 [1], used by the next quantize
 
 
-class LinearState:
-    """The state of one weight: a RoleState per role in STATE_ROLES."""
+class RoleStates:
+    """A RoleState for each of ``ROLES``."""
+
+    ROLES: tuple[str, ...] = ()
 
     def __init__(self, history_len: int, device: torch.device) -> None:
         self.history_len = history_len
@@ -38,20 +51,41 @@ class LinearState:
                 amax_history=torch.zeros(history_len, dtype=torch.float32, device=device),
                 scale=torch.ones(1, dtype=torch.float32, device=device),
             )
-            for role in STATE_ROLES
+            for role in self.ROLES
         }
-        # module paths of the linear sites that use this weight (the state's name in the state dict)
-        self.sites: list[str] = []
 
     def tensors(self) -> list[torch.Tensor]:
         """Flat list in the order the lowering takes them: per role (amax_history, scale)."""
         out = []
-        for role in STATE_ROLES:
+        for role in self.ROLES:
             out += [self.roles[role].amax_history, self.roles[role].scale]
         return out
 
 
+class LinearState(RoleStates):
+    """The state of one weight: a RoleState per role in STATE_ROLES."""
+
+    ROLES = STATE_ROLES
+
+    def __init__(self, history_len: int, device: torch.device) -> None:
+        super().__init__(history_len, device)
+        # module paths of the linear sites that use this weight (the state's name in the state dict)
+        self.sites: list[str] = []
+
+
+class AttentionState(RoleStates):
+    """The state of one SDPA call site: a RoleState per role in ATTENTION_ROLES."""
+
+    ROLES = ATTENTION_ROLES
+
+
 _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# key parameter -> {site key: (AttentionState, owner depth)}. The owner depth is how many name
+# components the parameter has below the module that owns the site (2 for "qkv.weight"), so that the
+# site's name follows the parameter's: "blocks.1.attn.qkv.weight" with "sdpa" is "blocks.1.attn.sdpa".
+# State loaded before the first compile is registered under every parameter of the owner, so that
+# whichever of them the graph receives (a graph split by DDP may lack some) finds it.
+_ATTENTION: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -69,6 +103,29 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
             f"has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
         )
     return state
+
+
+def attention_state_for(param: torch.Tensor, site_key: str, owner_depth: int, history_len: int,
+                        where: str, state: Optional[AttentionState] = None) -> AttentionState:
+    """The state of the SDPA site ``site_key`` keyed on ``param``; created on first use, or ``state``
+    registered under ``param`` if it has none yet."""
+    sites = _ATTENTION.setdefault(param, {})
+    if site_key not in sites:
+        sites[site_key] = (state or AttentionState(history_len, param.device), owner_depth)
+    state = sites[site_key][0]
+    if state.history_len != history_len:
+        raise ValueError(
+            f"{where}: the recipe asks for amax_history_len={history_len}, but this attention site "
+            f"already has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
+        )
+    return state
+
+
+def attention_key_param(names: list[str], owner: str) -> Optional[str]:
+    """Of the parameter names ``names``, the one an SDPA site owned by module ``owner`` keys its state
+    on: the first, in sorted order, under ``owner`` (any, for the root module ""); None if none is."""
+    under = sorted(n for n in names if not owner or n.startswith(owner + "."))
+    return under[0] if under else None
 
 
 def _linked_state(weight) -> Optional[LinearState]:
@@ -153,6 +210,45 @@ def _state_names(model: torch.nn.Module) -> dict[str, LinearState]:
     return out
 
 
+def _attention_names(model: torch.nn.Module) -> dict[str, AttentionState]:
+    """"<owner>.<site key>" -> state for every SDPA site of ``model`` that has state, named after its
+    key parameter's first name (FSDP2: the state is on the unsharded parameter)."""
+    unsharded = _fsdp_unsharded(model)
+    out, seen = {}, set()
+    for name, param in _unwrap(model).named_parameters(remove_duplicate=False):
+        if id(param) in seen:
+            continue
+        seen.add(id(param))
+        key = param if param in _ATTENTION else unsharded.get(id(param))
+        for site_key, (state, depth) in (_ATTENTION.get(key, {}) if key is not None else {}).items():
+            out[".".join([*name.split(".")[:-depth], site_key])] = state
+    return out
+
+
+def _attention_targets(model: torch.nn.Module, site: str) -> Optional[tuple[str, list[tuple[torch.Tensor, int]]]]:
+    """Where the state of SDPA site ``site`` ("<module>.sdpa") is to be registered: (site key, [(each
+    parameter of the owning module, its owner depth)]), the owner found by the rule the attention pass
+    follows (passes/attention.py); None when ``site`` names no module of ``model`` with a parameter."""
+    module_path, _, last = site.rpartition(".")
+    if last != ATTENTION_SITE:
+        return None
+    root = _unwrap(model)
+    modules = dict(root.named_modules(remove_duplicate=False))
+    if module_path not in modules:
+        return None
+    params = dict(root.named_parameters(remove_duplicate=False))
+    # the owner: the module itself or its nearest ancestor that has a parameter
+    parts = module_path.split(".") if module_path else []
+    for n in range(len(parts), -1, -1):
+        owner = ".".join(parts[:n])
+        if attention_key_param(list(params), owner) is not None:
+            site_key = site[len(owner) + 1:] if owner else site
+            under = {id(p): (p, len(name.split(".")) - n) for name, p in params.items()
+                     if not owner or name.startswith(owner + ".")}
+            return site_key, list(under.values())
+    return None
+
+
 def _key(prefix: str, role: str, field_name: str) -> str:
     return ".".join(p for p in (prefix, role, field_name) if p)  # root module: no prefix
 
@@ -160,12 +256,17 @@ def _key(prefix: str, role: str, field_name: str) -> str:
 def recipe_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``{"<fqn>.<role>.scale" | "<fqn>.<role>.amax_history": tensor}`` (copies) for every weight
     of ``model`` (compiled wrapper or original module) that has delayed-scaling state; one set of
-    keys per parameter, however many modules share it."""
+    keys per parameter, however many modules share it. SDPA sites with state add
+    ``"<module>.sdpa.<role>.<field>"`` (role in ATTENTION_ROLES)."""
     out = {}
     for prefix, state in _state_names(model).items():
         for role, rs in state.roles.items():
             for field_name in FIELDS:
                 out[_key(prefix, role, field_name)] = getattr(rs, field_name).detach().clone()
+    for name, state in _attention_names(model).items():
+        for role, rs in state.roles.items():
+            for field_name in FIELDS:
+                out[_key(name, role, field_name)] = getattr(rs, field_name).detach().clone()
     return out
 
 
@@ -176,45 +277,78 @@ class IncompatibleKeys(NamedTuple):
     unexpected_keys: list[str]
 
 
+def _history_len(existing: Optional[RoleStates], given: dict) -> int:
+    """The history length of state being loaded: the existing state's, else the saved history's."""
+    history = next((v for (_, f), (_, v) in given.items() if f == "amax_history"), None)
+    return (existing.history_len if existing is not None
+            else history.numel() if history is not None else 1024)
+
+
+def _shape_problems(given: dict, history_len: int) -> list[str]:
+    problems = []
+    for (_, field_name), (key, value) in given.items():
+        expected = (history_len,) if field_name == "amax_history" else (1,)
+        if tuple(value.shape) != expected:
+            problems.append(f"{key} has shape {tuple(value.shape)}, expected {expected}")
+    return problems
+
+
+def _fsdp_problem(name: str) -> str:
+    # FSDP2: the graph keys state by the unsharded parameter, which exists from the first all-gather on
+    # (an FP8 all-gather weight links its state from the start)
+    return (f"{name}: an FSDP2-sharded weight gets its state at its first all-gather; run one forward "
+            f"before loading its recipe state")
+
+
 def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
                            strict: bool = True) -> IncompatibleKeys:
     """Copy saved state into ``model``'s state (in place, so compiled graphs see it), creating it
     if the model has not been compiled or run yet.
 
     Keys are matched as ``recipe_state_dict`` writes them (any name of a tied parameter is accepted).
-    ``missing_keys``: the keys of every weight that has state or is named in ``state_dict`` that
-    ``state_dict`` lacks; ``unexpected_keys``: keys that name no weight of the model or are not
-    "<fqn>.<role>.<field>". With ``strict`` (the default) either is an error naming the keys; a
-    value of the wrong shape is always an error. Nothing is copied when an error is raised.
+    ``missing_keys``: the keys of every weight or SDPA site that has state or is named in
+    ``state_dict`` that ``state_dict`` lacks; ``unexpected_keys``: keys that name no weight or SDPA
+    site of the model or are not "<fqn>.<role>.<field>". With ``strict`` (the default) either is an
+    error naming the keys; a value of the wrong shape is always an error. Nothing is copied when an
+    error is raised.
     """
     prefixes = _prefixes(model)
+    attention = _attention_names(model)
     unexpected, entries = [], {}   # id(param) -> {(role, field): (key, value)}
+    sites: dict[str, dict] = {}    # SDPA site name -> {(role, field): (key, value)}
     for key, value in state_dict.items():
         parts = key.rsplit(".", 2)
         if len(parts) == 2:  # a weight of the root module: "<role>.<field>"
             parts = ["", *parts]
-        if len(parts) != 3 or parts[1] not in STATE_ROLES or parts[2] not in FIELDS or parts[0] not in prefixes:
+        if len(parts) == 3 and parts[1] in STATE_ROLES and parts[2] in FIELDS and parts[0] in prefixes:
+            entries.setdefault(id(prefixes[parts[0]]), {})[(parts[1], parts[2])] = (key, value)
+        elif (len(parts) == 3 and parts[1] in ATTENTION_ROLES and parts[2] in FIELDS
+              and (parts[0] in attention or _attention_targets(model, parts[0]) is not None)):
+            sites.setdefault(parts[0], {})[(parts[1], parts[2])] = (key, value)
+        else:
             unexpected.append(key)
-            continue
-        prefix, role, field_name = parts
-        entries.setdefault(id(prefixes[prefix]), {})[(role, field_name)] = (key, value)
 
-    # Expected: every role and field of each weight that has state already or is being loaded,
-    # named as recipe_state_dict names it.
+    # Expected: every role and field of each weight or site that has state already or is being
+    # loaded, named as recipe_state_dict names it.
     names: dict[int, str] = {}
     for prefix, param in prefixes.items():
         names.setdefault(id(param), prefix)
     for prefix in _state_names(model):
         names[id(prefixes[prefix])] = prefix
         entries.setdefault(id(prefixes[prefix]), {})
+    for site in attention:
+        sites.setdefault(site, {})
     missing = [_key(names[pid], role, f) for pid, given in entries.items()
                for role in STATE_ROLES for f in FIELDS if (role, f) not in given]
+    missing += [_key(site, role, f) for site, given in sites.items()
+                for role in ATTENTION_ROLES for f in FIELDS if (role, f) not in given]
     problems = []
     if strict and missing:
         problems.append(f"missing keys {missing}")
     if strict and unexpected:
         problems.append(f"unexpected keys {unexpected} (keys are '<fqn>.<role>.<field>' naming a weight "
-                        f"of this model, with role in {STATE_ROLES} and field in {FIELDS})")
+                        f"of this model, with role in {STATE_ROLES}, or '<module>.sdpa.<role>.<field>' "
+                        f"naming an SDPA site, with role in {ATTENTION_ROLES}; field in {FIELDS})")
 
     params = {id(p): p for p in prefixes.values()}
     unsharded = _fsdp_unsharded(model)
@@ -224,27 +358,41 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
             continue
         existing = _state_of(params[pid], unsharded)
         if existing is None and pid in unsharded:
-            # FSDP2: the graph keys state by the unsharded parameter, which exists from the first
-            # all-gather on (an FP8 all-gather weight links its state from the start)
             if unsharded[pid] is None:
-                problems.append(f"{names[pid]}: an FSDP2-sharded weight gets its state at its first "
-                                f"all-gather; run one forward before loading its recipe state")
+                problems.append(_fsdp_problem(names[pid]))
                 continue
             params[pid] = unsharded[pid]
-        history = next((v for (_, f), (_, v) in given.items() if f == "amax_history"), None)
-        history_len = (existing.history_len if existing is not None
-                       else history.numel() if history is not None else 1024)
-        for (_, field_name), (key, value) in given.items():
-            expected = (history_len,) if field_name == "amax_history" else (1,)
-            if tuple(value.shape) != expected:
-                problems.append(f"{key} has shape {tuple(value.shape)}, expected {expected}")
-        loads.append((params[pid], existing, history_len, names[pid], given))
+        history_len = _history_len(existing, given)
+        problems += _shape_problems(given, history_len)
+        where = f"load_recipe_state_dict({names[pid]!r})"
+        loads.append((existing, lambda p=params[pid], n=history_len, w=where: state_for(p, n, w), given))
+    for site, given in sites.items():
+        if not given:
+            continue
+        existing = attention.get(site)
+        history_len = _history_len(existing, given)
+        problems += _shape_problems(given, history_len)
+        if existing is not None:
+            loads.append((existing, None, given))
+            continue
+        site_key, targets = _attention_targets(model, site)
+        if any(id(p) in unsharded and unsharded[id(p)] is None for p, _ in targets):
+            problems.append(_fsdp_problem(site))
+            continue
+        targets = [(unsharded.get(id(p)) or p, depth) for p, depth in targets]
+
+        def register(targets=targets, key=site_key, n=history_len, w=f"load_recipe_state_dict({site!r})"):
+            state = AttentionState(n, targets[0][0].device)
+            for param, depth in targets:
+                attention_state_for(param, key, depth, n, w, state)
+            return state
+        loads.append((None, register, given))
     if problems:
         hint = " (strict=False loads the keys that match)" if strict and (missing or unexpected) else ""
         raise RuntimeError("load_recipe_state_dict: " + "; ".join(problems) + hint)
 
-    for param, existing, history_len, prefix, given in loads:
-        state = existing or state_for(param, history_len, f"load_recipe_state_dict({prefix!r})")
+    for existing, create, given in loads:
+        state = existing or create()
         for (role, field_name), (_, value) in given.items():
             with torch.no_grad():
                 getattr(state.roles[role], field_name).copy_(value)

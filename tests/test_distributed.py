@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+import torch.nn.functional as F
 
 import te_compile
 from te_compile.config import ConfigError, DistributedConfig, config_from_dict
@@ -25,14 +26,22 @@ ALL_REDUCE = torch.ops._c10d_functional.all_reduce.default
 
 
 class MLP(nn.Module):
-    def __init__(self, d: int = 32, hidden: int = 64, norm: bool = False) -> None:
+    """``attn``: causal self-attention (2 heads, q = k = v) over the hidden activations."""
+
+    def __init__(self, d: int = 32, hidden: int = 64, norm: bool = False, attn: bool = False) -> None:
         super().__init__()
         self.norm = nn.LayerNorm(d) if norm else nn.Identity()
         self.up = nn.Linear(d, hidden)
         self.down = nn.Linear(hidden, d)
+        self.attn = attn
 
     def forward(self, x):
-        return self.down(torch.relu(self.up(self.norm(x))))
+        h = self.up(self.norm(x))
+        if self.attn:
+            b, t, hidden = h.shape
+            heads = h.view(b, t, 2, hidden // 2).transpose(1, 2)
+            h = F.scaled_dot_product_attention(heads, heads, heads, is_causal=True).transpose(1, 2).reshape(b, t, hidden)
+        return self.down(torch.relu(h))
 
 
 class _Patch:
@@ -83,9 +92,10 @@ def _ddp_worker(rank: int) -> dict:
         torch._dynamo.reset()
         te_compile.reset()
         torch.manual_seed(0)
-        model = MLP()
+        model = MLP(attn=True)
         ddp = DDP(model, bucket_cap_mb=0.004)
-        compiled = torch.compile(ddp, backend="te", options={**options, "amax_group": group})
+        compiled = torch.compile(ddp, backend="te", options={**options, "amax_group": group,
+                                                             "rewrite": {"sdpa": True}})
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         runs = 0
         for step in range(3):
@@ -99,7 +109,9 @@ def _ddp_worker(rank: int) -> dict:
             opt.zero_grad()
         out[group] = {"state": _state(model), "all_reduces_run": runs,
                       "sites": [(s.graph, s.fqn, s.rewritten, s.collectives) for s in te_compile.report().sites
-                                if s.op == "linear"]}
+                                if s.op == "linear"],
+                      "sdpa": [(s.rewritten, s.reason, s.collectives) for s in te_compile.report().sites
+                               if s.op == "sdpa"]}
     out["forward_all_reduces"] = [_max_all_reduces(g) for g in graphs.forward]
     out["backward_all_reduces"] = [_max_all_reduces(g) for g in graphs.backward]
 
@@ -139,12 +151,15 @@ def ddp_results(tmp_path_factory):
 
 def test_ddp_delayed_scaling_state_identical_on_ranks(ddp_results):
     a, b = ddp_results
-    assert a["world"]["state"].keys() == b["world"]["state"].keys() and len(a["world"]["state"]) == 12
+    # two linears' state and the attention's (keyed on a parameter of the root module, named "sdpa")
+    assert a["world"]["state"].keys() == b["world"]["state"].keys() and len(a["world"]["state"]) == 12 + 8
+    assert "sdpa.query.amax_history" in a["world"]["state"]
     differ = [k for k in a["world"]["state"] if not torch.equal(a["world"]["state"][k], b["world"]["state"][k])]
     assert not differ, f"state differs between ranks with amax_group='world': {differ}"
     # the ranks see different data (rank 1's is twice as large): without the reduction they drift
     differ = [k for k in a["none"]["state"] if not torch.equal(a["none"]["state"][k], b["none"]["state"][k])]
     assert any(k.endswith("input.amax_history") for k in differ), differ
+    assert "sdpa.query.amax_history" in differ, differ
 
 
 def test_ddp_one_all_reduce_per_graph_and_step(ddp_results):
@@ -160,6 +175,11 @@ def test_ddp_one_all_reduce_per_graph_and_step(ddp_results):
             assert rewritten and collectives == ("amax history all-reduce over world (2 ranks), one per "
                                                  "graph and step"), (fqn, collectives)
         assert all(c == "" for *_, c in rank["none"]["sites"])
+        # the attention's amaxes ride in the same all-reduce as the linears'
+        [(rewritten, reason, collectives)] = rank["world"]["sdpa"]
+        assert rewritten and "per tensor with delayed scaling" in reason, reason
+        assert collectives == "amax history all-reduce over world (2 ranks), one per graph and step"
+        assert rank["none"]["sdpa"][0][2] == ""
 
 
 def test_ddp_loss_tracks_one_process(ddp_results):

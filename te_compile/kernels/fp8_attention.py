@@ -61,9 +61,15 @@ P_SCALE = fp8_max(E4M3)
 BLOCK_N = 64   # keys per step of the online softmax
 
 
-def quantize_heads(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_heads(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3,
+                   scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x [B, H, T, D] -> (FP8 bytes [B, H, T, D], descale [B, H] fp32): current scaling per (batch,
-    head), with the per-tensor recipes' scale rules (an all-zero head gets scale 1)."""
+    head), with the per-tensor recipes' scale rules (an all-zero head gets scale 1). ``scale`` (fp32
+    [1]): one given scale for the whole tensor instead (delayed scaling); every head's descale is its
+    inverse, so the kernels take both alike."""
+    if scale is not None:
+        data = cast_to_fp8(x, scale, fp8_dtype)
+        return data, torch.div(torch.ones_like(scale), scale).expand(x.shape[:2]).contiguous()
     amax = x.detach().abs().amax(dim=(-2, -1)).to(torch.float32)
     scale = compute_scale(amax, fp8_dtype)
     data = cast_to_fp8(x, scale[..., None, None], fp8_dtype)
@@ -156,10 +162,12 @@ def _per_kv_head(x: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _fp8_grad_scales(do32: torch.Tensor, v8: torch.Tensor, v_descale: torch.Tensor, group: int,
-                     grad_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     grad_dtype: torch.dtype, do_scale: Optional[torch.Tensor] = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The "fp8" backward's scales: (dO in ``grad_dtype`` [B, H, Tq, D], its descale [B, H], dS's scale
-    [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|)."""
-    do8, do_descale = quantize_heads(do32, grad_dtype)
+    [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|). ``do_scale``: dO's
+    delayed-scaling scale (fp32 [1]), else dO is current-scaled per (batch, head)."""
+    do8, do_descale = quantize_heads(do32, grad_dtype, do_scale)
     v_rows = dequantize_heads(v8, v_descale).norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
     bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v_rows
     return do8, do_descale, compute_scale(bound, grad_dtype)
@@ -170,11 +178,12 @@ def fp8_attention_backward_reference(
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
     mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-    grad_dtype: torch.dtype = torch.float8_e5m2,
+    grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]) in fp32, from dO [B, H, Tq, D], the forward's FP8
     operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
-    "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS."""
+    "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS, ``do_scale`` dO's
+    delayed-scaling scale (fp32 [1]; None: current scaling per (batch, head))."""
     h, tq, tk = q8.shape[1], q8.shape[2], k8.shape[2]
     group = h // k8.shape[1]
     # the forward's scores, in the forward's order of operations
@@ -198,7 +207,7 @@ def fp8_attention_backward_reference(
         dq = (ds @ k) * sm_scale
         dk = (ds.transpose(-2, -1) @ q) * sm_scale
         return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
-    do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype)
+    do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype, do_scale)
     do_q = do8.to(torch.float32)
     p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q8.device), E4M3).to(torch.float32)
     dv = (p8.transpose(-2, -1) @ do_q) * (do_descale / P_SCALE)[..., None, None]
@@ -512,7 +521,7 @@ def fp8_attention_backward_triton(
     q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
     o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
     mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-    grad_dtype: torch.dtype = torch.float8_e5m2,
+    grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
     require_triton("fp8_attention_backward_triton")
@@ -528,7 +537,8 @@ def fp8_attention_backward_triton(
     # per query row: D = rowsum(dO * O); per (batch, head): dO's and dS's scales (module docstring)
     delta = (do.to(torch.float32) * o.to(torch.float32)).sum(dim=-1).contiguous()
     if fp8_grads:
-        do8, do_descale, ds_scale = _fp8_grad_scales(do.to(torch.float32), v8, v_descale, group, grad_dtype)
+        do8, do_descale, ds_scale = _fp8_grad_scales(do.to(torch.float32), v8, v_descale, group, grad_dtype,
+                                                     do_scale)
     else:
         do8, do_descale = do, torch.ones((b, h), device=do.device)
         ds_scale = torch.ones((b, h), device=do.device)
@@ -553,9 +563,9 @@ def fp8_attention_backward_triton(
 
 def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, *, sm_scale: float,
                            causal: bool = False, mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-                           grad_dtype: torch.dtype = torch.float8_e5m2):
+                           grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None):
     """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them: the Triton kernels on sm89+
     GPUs, the reference elsewhere."""
     impl = fp8_attention_backward_triton if _use_kernels(q8) else fp8_attention_backward_reference
     return impl(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal,
-                mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype)
+                mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype, do_scale=do_scale)

@@ -8,8 +8,9 @@ until nothing reads the old scales any more, including a backward that recompute
 forward.
 
 The mechanism is a node at the start of the graph, ``DelayedScalingUpdate(spec)(anchor, *state)``,
-whose outputs are tiny "amax carriers" (zeros, [3]), one per call site. Each site's lowering takes its
-carrier as an input and returns its amaxes (input, weight, grad_output) as the carrier's *gradient*.
+whose outputs are tiny "amax carriers" (zeros, one per role), one per call site. Each site's lowering
+takes its carrier as an input and returns its amaxes (a linear's input, weight, grad_output; an SDPA
+site's query, key, value, grad_output) as the carrier's *gradient*.
 Autograd runs the update node's backward only when every carrier's gradient is in, i.e. after the
 backward of every site (recomputation included), and that backward pushes each weight's combined
 amaxes into its histories and computes the next scales, in place. A forward without a backward
@@ -36,18 +37,19 @@ import torch
 from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
 from ..scaling import delayed_scale_from_history, update_amax_history
-from ..state import STATE_ROLES
+from ..state import FORMAT_ROLES, STATE_ROLES
 
 __all__ = ["DelayedScalingUpdate", "UpdateSpec", "ROLES", "update_role_state"]
 
-# The roles whose amaxes a carrier's gradient holds, in order; each has (amax_history, scale) state.
+# The roles whose amaxes a linear site's carrier gradient holds, in order; each has (amax_history,
+# scale) state. An SDPA site's carrier holds state.ATTENTION_ROLES'.
 ROLES = STATE_ROLES
-TENSORS_PER_WEIGHT = 2 * len(ROLES)
 
 
 def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
                       recipe: DelayedScaling) -> None:
     """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place.
+    ``role``: a state role (state.STATE_ROLES or ATTENTION_ROLES), which picks the FP8 format.
 
     A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
     so the history stays finite and scaling follows the data again from the next finite step.
@@ -55,7 +57,7 @@ def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Te
     finite = torch.isfinite(amax)
     new_history = update_amax_history(history, torch.where(finite, amax, torch.zeros_like(amax)))
     new_scale = delayed_scale_from_history(
-        new_history, scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
+        new_history, scale, recipe.fp8_format.dtype_for(FORMAT_ROLES.get(role, role)), margin=recipe.margin,
         amax_compute_algo=recipe.amax_compute_algo,
         scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe,
     )
@@ -66,12 +68,25 @@ def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Te
 
 @dataclass(frozen=True)
 class UpdateSpec:
-    """Which weights a graph keeps state for and which weight each carrier (call site) belongs to."""
+    """Which states (a weight's, an SDPA site's) a graph keeps and which state each carrier (call
+    site) belongs to."""
 
-    recipes: tuple[DelayedScaling, ...]   # per weight, in the order of the state tensors
+    recipes: tuple[DelayedScaling, ...]   # per state, in the order of the state tensors
     site_weights: tuple[int, ...]         # per carrier: index into ``recipes``
-    # per weight: the groups its amaxes are all-reduced over (MAX) before the update; () for none
+    # per state: the groups its amaxes are all-reduced over (MAX) before the update; () for none
     groups: tuple[tuple[AmaxGroup, ...], ...] = ()
+    # per state: its roles, in the order of its tensors; () when every state is a weight's (ROLES)
+    roles: tuple[tuple[str, ...], ...] = ()
+
+    def roles_of(self, j: int) -> tuple[str, ...]:
+        return self.roles[j] if self.roles else ROLES
+
+    def state_offsets(self) -> list[int]:
+        """Where each state's tensors start in the flat state list (2 per role), and the total last."""
+        offsets = [0]
+        for j in range(len(self.recipes)):
+            offsets.append(offsets[-1] + 2 * len(self.roles_of(j)))
+        return offsets
 
 
 class _AmaxCarriers(torch.autograd.Function):
@@ -81,7 +96,8 @@ class _AmaxCarriers(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a site whose backward never ran contributes nothing
         ctx.save_for_backward(*state)
         device = state[0].device
-        return tuple(torch.zeros(len(ROLES), dtype=torch.float32, device=device) for _ in spec.site_weights)
+        return tuple(torch.zeros(len(spec.roles_of(j)), dtype=torch.float32, device=device)
+                     for j in spec.site_weights)
 
     @staticmethod
     def backward(ctx, *site_amaxes):
@@ -96,10 +112,11 @@ class _AmaxCarriers(torch.autograd.Function):
             combined.append(torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0])
         if spec.groups:
             combined = reduce_amaxes(combined, [spec.groups[j] for j in weights])
+        offsets = spec.state_offsets()
         for j, amax in zip(weights, combined):
             recipe = spec.recipes[j]
-            tensors = state[j * TENSORS_PER_WEIGHT:(j + 1) * TENSORS_PER_WEIGHT]
-            for r, role in enumerate(ROLES):
+            tensors = state[offsets[j]:offsets[j + 1]]
+            for r, role in enumerate(spec.roles_of(j)):
                 update_role_state(tensors[2 * r], tensors[2 * r + 1], amax[r:r + 1], role, recipe)
         return (None, None) + (None,) * len(state)
 
@@ -107,8 +124,8 @@ class _AmaxCarriers(torch.autograd.Function):
 class DelayedScalingUpdate:
     """Callable inserted at the start of a graph: ``(anchor, *state) -> carriers``, one per site.
 
-    state: per weight, per role in ROLES, (amax_history [L], scale [1]) — the order of
-    ``te_compile.state.LinearState.tensors()``.
+    state: per state entry, per role of ``spec.roles_of(entry)``, (amax_history [L], scale [1]) — the
+    order of ``te_compile.state.RoleStates.tensors()``.
     """
 
     def __init__(self, spec: UpdateSpec) -> None:
@@ -118,10 +135,11 @@ class DelayedScalingUpdate:
         self.__module__ = __name__
 
     def __call__(self, anchor: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        if len(state) != TENSORS_PER_WEIGHT * len(self.spec.recipes):
-            raise ValueError(f"expected {TENSORS_PER_WEIGHT} state tensors for each of "
-                             f"{len(self.spec.recipes)} weights, got {len(state)}")
+        expected = self.spec.state_offsets()[-1]
+        if len(state) != expected:
+            raise ValueError(f"expected {expected} state tensors (2 per role) for "
+                             f"{len(self.spec.recipes)} states, got {len(state)}")
         return _AmaxCarriers.apply(self.spec, anchor, *state)
 
     def __repr__(self) -> str:
-        return f"DelayedScalingUpdate({len(self.spec.recipes)} weights, {len(self.spec.site_weights)} sites)"
+        return f"DelayedScalingUpdate({len(self.spec.recipes)} states, {len(self.spec.site_weights)} sites)"

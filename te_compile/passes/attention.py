@@ -13,6 +13,12 @@ forward calls SDPA, overrides included. The forms lowered (lowerings/fp8_attenti
 with q, k, v dense [B, H, T, D] (D <= 256, the same D for all three), dropout_p = 0. Everything else
 (dropout in training, nested / jagged or DTensor inputs, a mask that needs a gradient) stays
 SDPA, with the reason in the report.
+
+Under DelayedScaling a site quantizes Q, K, V (and dO in the "fp8" backward) per tensor with scales
+from state kept like the linears' (delayed_state.py). SDPA has no weight to key it on, so the state
+hangs off a parameter of the calling module ("owner"), or of its nearest ancestor that has one:
+the first of its parameters in sorted name order (state.attention_key_param); a capture without any
+parameter there current-scales per (batch, head) and says so.
 """
 
 from __future__ import annotations
@@ -23,10 +29,12 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 import torch.fx as fx
 
+from ..distributed import describe_groups
 from ..lowerings.fp8_attention import AttentionLowering, AttentionSpec
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
-from .graphs import GraphScope
+from ..state import attention_key_param
+from .graphs import GraphScope, ParamRef
 from .matching import shape_text, value_of
 from .sites import module_fqn
 
@@ -107,6 +115,37 @@ def _shapes(args: dict) -> str:
     return " ".join(text for short, name in names if (text := shape_text(short, args[name])) is not None)
 
 
+def _state_key(ctx: "PassContext", fqn: str) -> Optional[tuple[ParamRef, str]]:
+    """(key parameter, owner module) for the delayed-scaling state of an SDPA call in module ``fqn``:
+    the module itself or its nearest ancestor that has a parameter among the graph's inputs."""
+    params = {ref.name: ref for ref in ctx.delayed.top.params.values()}
+    parts = fqn.split(".") if fqn else []
+    for n in range(len(parts), -1, -1):
+        owner = ".".join(parts[:n])
+        key = attention_key_param(list(params), owner)
+        if key is not None:
+            return params[key], owner
+    return None
+
+
+def _amax_groups(ctx: "PassContext", recipe) -> tuple:
+    """The groups the update node all-reduces the site's amaxes over: the recipe's amax group. Q, K,
+    V are plain local tensors (a DTensor input is not rewritten), so nothing else shards them."""
+    return (ctx.amax_group,) if recipe.reduce_amax and ctx.amax_group is not None else ()
+
+
+def _delayed_inputs(ctx: "PassContext", scope: GraphScope, node: fx.Node, fqn: str, recipe):
+    """DelayedScaling's extra lowering arguments for the site (delayed_state.py), a reason string
+    when it cannot have them, or None when no parameter can key its state."""
+    found = _state_key(ctx, fqn)
+    if found is None:
+        return None
+    param, owner = found
+    backward_follows = bool(getattr(value_of(node), "requires_grad", False))
+    return ctx.delayed.attention_inputs(scope, param, owner, recipe, fqn, backward_follows,
+                                        _amax_groups(ctx, recipe))
+
+
 def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
     """Rewrite the eligible SDPA calls of ``scope``; one report row per call."""
     config = ctx.config
@@ -118,10 +157,10 @@ def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
         args = _args(node)
         recipe, why = config.recipe_for(fqn)
 
-        def record(rewritten: bool, reason: str, recipe_name=None) -> None:
+        def record(rewritten: bool, reason: str, recipe_name=None, collectives: str = "") -> None:
             ctx.record(scope, node, SiteRecord(fqn=fqn, op="sdpa", recipe=recipe_name, rewritten=rewritten,
                                                reason=reason + scope.where, shapes=_shapes(args),
-                                               graph=ctx.graph_id))
+                                               graph=ctx.graph_id, collectives=collectives))
 
         if scope.unsupported is not None:
             record(False, scope.unsupported)
@@ -136,17 +175,28 @@ def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
         if reason is not None:
             record(False, f"{reason} (left in high precision)", recipe.name)
             continue
+        extra, unkeyed, collectives = [], "", ""
+        if recipe.delayed():
+            extra = _delayed_inputs(ctx, scope, node, fqn, recipe)
+            if isinstance(extra, str):
+                record(False, extra, recipe.name)
+                continue
+            if extra is None:
+                extra, unkeyed = [], " (no parameter in this graph to key delayed-scaling state on)"
+            elif _amax_groups(ctx, recipe):
+                collectives = (f"amax history all-reduce over {describe_groups(_amax_groups(ctx, recipe))}, "
+                               f"one per graph and step")
         d = value_of(args["query"]).shape[-1]
         scale = args["scale"]
         spec = AttentionSpec(fqn, recipe, float(scale) if scale is not None else 1.0 / math.sqrt(d),
-                             bool(args["is_causal"]), recipe.fp8_dpa_backward == "fp8")
+                             bool(args["is_causal"]), recipe.fp8_dpa_backward == "fp8", delayed=bool(extra))
         mha = ("; fp8_mha: the projections still hand attention high-precision tensors (not done yet)"
                if recipe.fp8_mha else "")
-        record(True, f"{spec.mode()}; Q, K, V, P in E4M3, Q, K, V current-scaled per (batch, head){mha} ({why})",
-               recipe.name)
+        record(True, f"{spec.mode()}; Q, K, V, P in E4M3, {spec.scaling()}{unkeyed}{mha} ({why})", recipe.name,
+               collectives)
         with scope.graph.inserting_before(node):
             new = scope.graph.call_function(AttentionLowering(spec),
-                                            (args["query"], args["key"], args["value"], args["attn_mask"]))
+                                            (args["query"], args["key"], args["value"], args["attn_mask"], *extra))
         new.meta.update(node.meta)
         node.replace_all_uses_with(new)
         scope.graph.erase_node(node)

@@ -2,8 +2,8 @@
 
 Dynamo reuses one compiled graph for every instance of a module class, so state cannot be baked into
 the graph: each stateful weight gets six extra placeholders (per role: amax_history [L], scale [1]),
-appended after Dynamo's inputs, and the backend's wrapper passes that weight's tensors
-(te_compile.state) at every call. Sites read only the scales; the update happens once per graph and
+each SDPA site's state eight (query, key, value, grad_output), appended after Dynamo's inputs, and
+the backend's wrapper passes that weight's or site's tensors (te_compile.state) at every call. Sites read only the scales; the update happens once per graph and
 step in ``DelayedScalingUpdate`` (lowerings/delayed_update.py), a node placed at the start of the
 top-level graph whose outputs, one amax carrier per site with a backward, the sites take as inputs.
 Sites inside HOP bodies (checkpointed blocks) get their scales and carrier lifted in as operands.
@@ -22,10 +22,13 @@ from torch._guards import detect_fake_mode
 from ..distributed import minimal_groups
 from ..lowerings.delayed_update import ROLES, DelayedScalingUpdate, UpdateSpec
 from ..recipe import DelayedScaling
-from ..state import amax_anchor, state_for
+from ..state import ATTENTION_ROLES, ATTENTION_SITE, STATE_ROLES, amax_anchor, attention_state_for, state_for
 from .graphs import GraphScope, ParamRef
 
-__all__ = ["StateInput", "AnchorInput", "DelayedState"]
+__all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "DelayedState"]
+
+# an SDPA site's state is named after its module: "<module>.sdpa" (te_compile.state)
+ATTENTION_SITE_KEY = ATTENTION_SITE
 
 
 @dataclass(frozen=True)
@@ -41,6 +44,22 @@ class StateInput:
 
 
 @dataclass(frozen=True)
+class AttentionStateInput:
+    """The state of an SDPA site keyed on the parameter at Dynamo input ``param_index``: eight extra
+    inputs, looked up per call (te_compile.state.attention_state_for)."""
+
+    param_index: int
+    site_key: str
+    owner_depth: int
+    history_len: int
+    where: str
+
+    def tensors(self, args: Sequence) -> list[torch.Tensor]:
+        return attention_state_for(args[self.param_index], self.site_key, self.owner_depth, self.history_len,
+                                   self.where).tensors()
+
+
+@dataclass(frozen=True)
 class AnchorInput:
     """The requires-grad scalar the update node hangs off (te_compile.state.amax_anchor)."""
 
@@ -50,16 +69,19 @@ class AnchorInput:
         return [amax_anchor(self.device)]
 
 
-ExtraInput = Union[StateInput, AnchorInput]
+ExtraInput = Union[StateInput, AttentionStateInput, AnchorInput]
 
 
 @dataclass
 class _Weight:
-    index: int                  # position among the graph's stateful weights
+    """One state the graph keeps: a weight's, or an SDPA site's (``roles`` = ATTENTION_ROLES)."""
+
+    index: int                  # position among the graph's states
     recipe: DelayedScaling
     fqn: str                    # the first site using it
-    nodes: list[fx.Node]        # its six top-level placeholders, in LinearState.tensors() order
+    nodes: list[fx.Node]        # its top-level placeholders, in RoleStates.tensors() order
     groups: tuple = ()          # the groups its amaxes are all-reduced over (all its sites')
+    roles: tuple = STATE_ROLES
 
 
 @dataclass
@@ -69,7 +91,8 @@ class DelayedState:
     top: GraphScope
     example_inputs: Sequence
     inputs: list[ExtraInput] = field(default_factory=list)   # in placeholder order
-    _weights: dict[int, _Weight] = field(default_factory=dict)   # id(parameter) -> its entry
+    # id(weight) or ("sdpa", id(key parameter)) -> its entry
+    _weights: dict[Union[int, tuple], _Weight] = field(default_factory=dict)
     _anchor: Optional[fx.Node] = None
     _update: Optional[fx.Node] = None
     _carriers: list[fx.Node] = field(default_factory=list)
@@ -93,11 +116,38 @@ class DelayedState:
             return (f"its weight {param.name} is also used by {weight.fqn or '<root>'} under another "
                     f"DelayedScaling config; one weight keeps one state")
         weight.groups = minimal_groups((*weight.groups, *groups))
+        return self._site_values(scope, weight, param.value.device, needs_carrier)
+
+    def attention_inputs(self, scope: GraphScope, param: ParamRef, owner: str, recipe: DelayedScaling, fqn: str,
+                         needs_carrier: bool, groups: tuple = ()) -> Union[list, str]:
+        """An SDPA site's extra lowering arguments in ``scope``'s graph: (carrier or None, query, key,
+        value and grad_output scales); or why it cannot have them. The state is keyed on ``param``,
+        the key parameter of ``owner``, the module (the site's own or an ancestor) that owns the site
+        (state.attention_key_param); every SDPA call of one module shares it, as every call of one
+        weight shares the weight's."""
+        key = (ATTENTION_SITE_KEY, id(param.value))
+        entry = self._weights.get(key)
+        if entry is None:
+            site_key = ".".join(p for p in (fqn[len(owner):].lstrip("."), ATTENTION_SITE_KEY) if p)
+            depth = len(param.name.split(".")) - (len(owner.split(".")) if owner else 0)
+            where = f"{fqn or '<root>'} (SDPA)"
+            state = attention_state_for(param.value, site_key, depth, recipe.amax_history_len, where)
+            self.inputs.append(AttentionStateInput(param.index, site_key, depth, recipe.amax_history_len, where))
+            nodes = self._placeholders(f"te_sdpa_state_{len(self._weights)}", state.tensors())
+            entry = self._weights[key] = _Weight(len(self._weights), recipe, fqn, nodes, roles=ATTENTION_ROLES)
+        elif entry.recipe != recipe:
+            return (f"another SDPA call of {entry.fqn or '<root>'} runs under another DelayedScaling config; "
+                    f"one module's SDPA calls keep one state")
+        entry.groups = minimal_groups((*entry.groups, *groups))
+        return self._site_values(scope, entry, param.value.device, needs_carrier)
+
+    def _site_values(self, scope: GraphScope, entry: _Weight, device: torch.device, needs_carrier: bool) -> list:
+        """(carrier or None, one scale per role of ``entry``), brought into ``scope``."""
         carrier = None
         if needs_carrier:
-            carrier = scope.lift(self._new_carrier(weight, param), f"te_amax_carrier_{len(self._carriers) - 1}")
-        scales = [scope.lift(weight.nodes[2 * r + 1], f"{weight.nodes[2 * r + 1].name}_in")
-                  for r in range(len(ROLES))]
+            carrier = scope.lift(self._new_carrier(entry, device), f"te_amax_carrier_{len(self._carriers) - 1}")
+        scales = [scope.lift(entry.nodes[2 * r + 1], f"{entry.nodes[2 * r + 1].name}_in")
+                  for r in range(len(entry.roles))]
         return [carrier, *scales]
 
     def finish(self) -> list[ExtraInput]:
@@ -105,8 +155,10 @@ class DelayedState:
         if self._update is not None:
             weights = sorted(self._weights.values(), key=lambda w: w.index)
             groups = tuple(w.groups for w in weights)
+            roles = tuple(w.roles for w in weights)
             self._update.target = DelayedScalingUpdate(UpdateSpec(
-                tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else ()))
+                tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else (),
+                roles if any(r != ROLES for r in roles) else ()))
             self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
         return self.inputs
 
@@ -129,11 +181,11 @@ class DelayedState:
             nodes.append(last)
         return nodes
 
-    def _new_carrier(self, weight: _Weight, param: ParamRef) -> fx.Node:
+    def _new_carrier(self, weight: _Weight, device: torch.device) -> fx.Node:
         graph = self.top.graph
         if self._update is None:
-            [self._anchor] = self._placeholders("te_amax_anchor", [amax_anchor(param.value.device)])
-            self.inputs.append(AnchorInput(param.value.device))
+            [self._anchor] = self._placeholders("te_amax_anchor", [amax_anchor(device)])
+            self.inputs.append(AnchorInput(device))
             first_op = next(n for n in graph.nodes if n.op != "placeholder")
             with graph.inserting_before(first_op):
                 # target and args are final only in finish(), once every site is known
@@ -143,7 +195,7 @@ class DelayedState:
         fake_mode = detect_fake_mode(self.example_inputs)
         if fake_mode is not None:
             with fake_mode:
-                carrier.meta["example_value"] = torch.zeros(len(ROLES), device=param.value.device)
+                carrier.meta["example_value"] = torch.zeros(len(weight.roles), device=device)
         self._carriers.append(carrier)
         self._site_weights.append(weight.index)
         return carrier
