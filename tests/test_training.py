@@ -109,8 +109,12 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
         model = transformers.GPT2LMHeadModel(config)
     ids = torch.randint(0, 256, (2, 12))
     eager_loss = model(input_ids=ids, labels=ids, use_cache=False).loss
-    # FP8 attention too: HF reaches F.scaled_dot_product_attention through attn_implementation="sdpa"
-    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager", "rewrite": {"sdpa": True}})
+    # FP8 attention too: HF reaches F.scaled_dot_product_attention through attn_implementation="sdpa";
+    # Llama also with fp8_mha, which hands O to o_proj in FP8
+    options = {"compiler": "aot_eager", "rewrite": {"sdpa": True}}
+    if arch == "llama":
+        options["recipe_options"] = {"fp8_mha": True}
+    compiled = torch.compile(model, backend="te", options=options)
     loss = compiled(input_ids=ids, labels=ids, use_cache=False).loss
     loss.backward()
     report = te_compile.report()
@@ -129,6 +133,9 @@ def test_hf_models_compile_unchanged_with_every_linear_rewritten(arch):
             assert s.rewritten and s.reason.startswith("FP8 forward, high-precision backward"), str(report)
     if arch == "llama-checkpointed":
         assert sum("checkpointed region" in s.reason for s in linears) == 14, str(report)
+    handed = [s.reason.split(" (")[0] for s in report.sites if s.op == "fp8_mha"]
+    assert handed == ([f"FP8 O handed to model.layers.{i}.self_attn.o_proj" for i in range(2)] if arch == "llama"
+                      else []), str(report)
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
     gap = abs(loss.item() - eager_loss.item()) / eager_loss.item()
     assert gap < 0.02, f"{arch}: FP8 loss {loss.item():.4f} vs eager {eager_loss.item():.4f}"

@@ -25,6 +25,7 @@ from .linear import rewrite_linears
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
+from .attention_projection import fuse_attention_projections
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -50,13 +51,15 @@ class PassContext:
 
 Pass = Callable[[PassContext, GraphScope], int]
 
-# The order matters: the norm and activation passes fuse into the linears the linear pass created.
+# The order matters: the norm and activation passes fuse into the linears the linear pass created, the
+# fp8_mha pass joins the attention pass's sites to them.
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,
     rewrite_attention,
+    fuse_attention_projections,
 )
 
 

@@ -2,8 +2,8 @@
 saying why not.
 
 A site is enabled by ``[rewrite] sdpa = true`` or its recipe's ``fp8_dpa = true`` (or ``fp8_mha``,
-which implies it as in TransformerEngine; the FP8 hand-off between projections and attention it
-also asks for is not done yet, and the report says so). The recipe is that of the module whose
+which implies it as in TransformerEngine and also hands O to the output projection in FP8:
+attention_projection.py). The recipe is that of the module whose
 forward calls SDPA, overrides included. The forms lowered (lowerings/fp8_attention.py):
 
     sdpa(q, k, v)  sdpa(q, k, v, is_causal=True)  sdpa(q, k, v, attn_mask=bool or additive float mask)
@@ -190,8 +190,7 @@ def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
         scale = args["scale"]
         spec = AttentionSpec(fqn, recipe, float(scale) if scale is not None else 1.0 / math.sqrt(d),
                              bool(args["is_causal"]), recipe.fp8_dpa_backward == "fp8", delayed=bool(extra))
-        mha = ("; fp8_mha: the projections still hand attention high-precision tensors (not done yet)"
-               if recipe.fp8_mha else "")
+        mha = "; fp8_mha: see its own row" if recipe.fp8_mha else ""
         record(True, f"{spec.mode()}; Q, K, V, P in E4M3, {spec.scaling()}{unkeyed}{mha} ({why})", recipe.name,
                collectives)
         with scope.graph.inserting_before(node):
