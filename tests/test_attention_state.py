@@ -223,3 +223,27 @@ def test_a_capture_without_parameters_current_scales_and_says_why():
     (q8, qd), (k8, kd), (v8, vd) = (quantize_heads(t.detach()) for t in (q, k, v))
     expect, _ = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, sm_scale=D ** -0.5)
     assert_bitwise_equal(o, expect)
+
+
+class Both(nn.Module):
+    """Calls SDPA itself and through a parameter-less child: one owner, two sites."""
+
+    def __init__(self):
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))
+        self.core = Core()
+
+    def forward(self, q, k, v):
+        return F.scaled_dot_product_attention(q * self.gain, k, v) + self.core(2 * q, k, v)
+
+
+def test_a_module_and_its_parameterless_child_keep_separate_states():
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = Both()
+    q, k, v = _inputs(0)["b"]
+    torch.compile(model, backend="te", options=OPTIONS)(q, k, v).sum().backward()
+    state = te_compile.recipe_state_dict(model)
+    assert sorted({key.rsplit(".", 2)[0] for key in state}) == ["core.sdpa", "sdpa"], sorted(state)
+    # the child reads 2q: its own history says so
+    assert_bitwise_equal(state["core.sdpa.query.amax_history"][:1], 2 * state["sdpa.query.amax_history"][:1])

@@ -3,9 +3,10 @@
 Dynamo reuses one compiled graph for every instance of a module class, so state cannot be baked into
 the graph: each stateful weight gets six extra placeholders (per role: amax_history [L], scale [1]),
 each SDPA site's state eight (query, key, value, grad_output), appended after Dynamo's inputs, and
-the backend's wrapper passes that weight's or site's tensors (te_compile.state) at every call. Sites read only the scales; the update happens once per graph and
-step in ``DelayedScalingUpdate`` (lowerings/delayed_update.py), a node placed at the start of the
-top-level graph whose outputs, one amax carrier per site with a backward, the sites take as inputs.
+the backend's wrapper passes that weight's or site's tensors (te_compile.state) at every call. Sites
+read only the scales; the update happens once per graph and step in ``DelayedScalingUpdate``
+(lowerings/delayed_update.py), a node placed at the start of the top-level graph whose outputs, one
+amax carrier per site with a backward, the sites take as inputs.
 Sites inside HOP bodies (checkpointed blocks) get their scales and carrier lifted in as operands.
 """
 
@@ -91,7 +92,7 @@ class DelayedState:
     top: GraphScope
     example_inputs: Sequence
     inputs: list[ExtraInput] = field(default_factory=list)   # in placeholder order
-    # id(weight) or ("sdpa", id(key parameter)) -> its entry
+    # id(weight) or (site key, id(key parameter)) -> its entry
     _weights: dict[Union[int, tuple], _Weight] = field(default_factory=dict)
     _anchor: Optional[fx.Node] = None
     _update: Optional[fx.Node] = None
@@ -125,10 +126,10 @@ class DelayedState:
         the key parameter of ``owner``, the module (the site's own or an ancestor) that owns the site
         (state.attention_key_param); every SDPA call of one module shares it, as every call of one
         weight shares the weight's."""
-        key = (ATTENTION_SITE_KEY, id(param.value))
+        site_key = ".".join(p for p in (fqn[len(owner):].lstrip("."), ATTENTION_SITE_KEY) if p)
+        key = (site_key, id(param.value))
         entry = self._weights.get(key)
         if entry is None:
-            site_key = ".".join(p for p in (fqn[len(owner):].lstrip("."), ATTENTION_SITE_KEY) if p)
             depth = len(param.name.split(".")) - (len(owner.split(".")) if owner else 0)
             where = f"{fqn or '<root>'} (SDPA)"
             state = attention_state_for(param.value, site_key, depth, recipe.amax_history_len, where)
