@@ -37,8 +37,12 @@ from te_compile.models import GPT
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
 # the same recipes with norm fusion off, to show what it changes (MXFP8 norms are not fused anyway)
 UNFUSED = {"layer_norm": False, "rms_norm": False}
-# and with FP8 attention (Q, K, V, O saved in FP8 instead of the input dtype)
+# and with FP8 attention (Q, K, V, O saved in FP8 instead of the input dtype), and with fp8_mha (O
+# handed to the output projection in FP8, saved once)
 ATTENTION = {"sdpa": True}
+# variant of a te row -> its te options
+VARIANTS = {"": {}, ", norms unfused": {"rewrite": UNFUSED}, ", FP8 attention": {"rewrite": ATTENTION},
+            ", FP8 attention, fp8_mha": {"recipe_options": {"fp8_mha": True}}}
 
 
 def _model(t: int, c: int, layers: int, device: torch.device) -> GPT:
@@ -122,7 +126,7 @@ class _GeneratedCode:
         return sum(len(_DEFINED.findall(src)) for src in self.sources)
 
 
-def _measure(provider: str, model, x, y, rewrite=None) -> dict:
+def _measure(provider: str, model, x, y, variant: str = "") -> dict:
     from torch._inductor import metrics
 
     torch._dynamo.reset()
@@ -131,10 +135,8 @@ def _measure(provider: str, model, x, y, rewrite=None) -> dict:
         if provider == "inductor":
             compiled = torch.compile(model, backend=forwards.compile_fx)
         else:
-            compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, rewrite=rewrite or {}))
+            compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, **VARIANTS[variant]))
         saved = saved_bytes(compiled, x, y)
-    variant = {None: "", "UNFUSED": ", norms unfused", "ATTENTION": ", FP8 attention"}[
-        None if not rewrite else "UNFUSED" if rewrite == UNFUSED else "ATTENTION"]
     name = provider if provider == "inductor" else f"te {provider}{variant}"
     return {"provider": name,
             "kernels": metrics.generated_kernel_count, "distinct": code.defined(), "launches": code.launches(),
@@ -156,10 +158,10 @@ def main() -> None:
     x = torch.randint(0, 256, (b, t), generator=gen).to(device)
     y = torch.randint(0, 256, (b, t), generator=gen).to(device)
     rows = []
-    runs = ([("inductor", None)] + [(r, None) for r in RECIPES] + [(r, UNFUSED) for r in RECIPES[:2]]
-            + [(RECIPES[0], ATTENTION)])
-    for provider, rewrite in runs:
-        row = _measure(provider, _model(t, c, args.layers, device), x, y, rewrite)
+    runs = ([("inductor", "")] + [(r, "") for r in RECIPES] + [(r, ", norms unfused") for r in RECIPES[:2]]
+            + [(RECIPES[0], ", FP8 attention"), (RECIPES[0], ", FP8 attention, fp8_mha")])
+    for provider, variant in runs:
+        row = _measure(provider, _model(t, c, args.layers, device), x, y, variant)
         rows.append(row)
         print(f"{row['provider']}: done", flush=True)
     base = rows[0]
