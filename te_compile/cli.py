@@ -317,8 +317,9 @@ def _demo(args: argparse.Namespace) -> int:
     print("saved-for-backward memory: distinct storages that the compiled forward hands to autograd "
           "for the backward (torch.autograd.graph.saved_tensors_hooks), parameters excluded", file=out)
     if device.type == "cpu":
-        print("throughput on CPU: FP8 GEMMs are emulated in software by torch._scaled_mm, so te is "
-              "expected to be slower than high precision here; the speedup needs an FP8 GPU", file=out)
+        print("throughput on CPU: FP8 GEMMs are fp32 matmuls of the FP8 values here (a CPU has no FP8 "
+              "GEMM), plus the quantization work, so te is expected to be slower than high precision; "
+              "the speedup needs an FP8 GPU", file=out)
 
     print("\nte_compile.report() (sites of the te run)", file=out)
     print(te_report(), file=out)

@@ -15,6 +15,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import te_compile
+from te_compile.lowerings.gemm import fp8_gemm_kind
 from fp8_reference import Fp8Reference
 from models import LINEARS_PER_BLOCK, TinyGPT
 from utils import assert_sqnr_at_least, sqnr
@@ -145,7 +146,7 @@ def mixed_report():
     "fqn, rewritten, reason",
     [
         ("odd_in", False, "in_features (K)=20 is not divisible by 16"),
-        ("body", True, "linear -> FP8 GEMMs (torch._scaled_mm) (global)"),
+        ("body", True, f"linear -> {fp8_gemm_kind('cpu')} (global)"),
         ("odd_out", False, "out_features (N)=10 is not divisible by 16"),
         ("head", False, "recipe 'none' (override 'head')"),
         ("", True, "matmul -> FP8 GEMMs"),

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import te_compile
+from te_compile.lowerings import gemm
 from fp8_reference import Fp8Reference
 from utils import assert_bitwise_equal, assert_sqnr_at_least, sqnr
 
@@ -88,8 +89,11 @@ def test_any_input_rank_or_token_count_gives_eager_or_a_reported_fallback(recipe
         assert_sqnr_at_least(layer(x).detach(), y, 10.0, f"{recipe} {shape}")
 
 
-def test_one_token_and_1d_inputs_under_inductor():
-    """Inductor's _scaled_mm lowering checks strides literally; a [16, 1] operand has a free stride."""
+@pytest.mark.parametrize("gemm_path", ["emulated", "scaled_mm"])
+def test_one_token_and_1d_inputs_under_inductor(monkeypatch, gemm_path):
+    """Inductor's _scaled_mm lowering checks strides literally; a [16, 1] operand has a free stride.
+    Both CPU GEMM paths (lowerings/gemm.py): the emulation and _scaled_mm itself."""
+    monkeypatch.setattr(gemm, "cpu_emulates_scaled_mm", lambda: gemm_path == "emulated")
     torch._dynamo.reset()
     torch.manual_seed(0)
     layer = nn.Linear(K, 64)

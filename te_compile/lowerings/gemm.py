@@ -1,15 +1,29 @@
-"""GEMMs on quantized operands: per-tensor FP8 through torch._scaled_mm where the device has it (exact
-emulation elsewhere), and the dequantize-then-matmul emulation for the block-scaled formats."""
+"""GEMMs on quantized operands: per-tensor FP8 through torch._scaled_mm on CUDA (exact emulation where
+the device has no FP8 GEMM), and the dequantize-then-matmul emulation for the block-scaled formats.
+
+On CPU, torch._scaled_mm is itself an emulation: it upcasts both operands to fp32 with scalar eager
+loops (slow: ~1.8 ns per element here, as long as the matmul itself at the demo's shapes), then
+runs an fp32 matmul. The same arithmetic written as torch ops, ``(a.float() * sa) @ (b.float() * sb)``,
+lets inductor vectorize the upcast and fuse it with its neighbours, and gives the same bits. A
+one-time check per process (``cpu_emulates_scaled_mm``) confirms the equality on this machine's
+kernels before the emulation replaces _scaled_mm; if the bits ever differ, _scaled_mm stays.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import _disable_current_modes
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "uses_native_fp8_gemm", "dequantized_gemm"]
+__all__ = ["fp8_gemm", "uses_native_fp8_gemm", "dequantized_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
+
+log = logging.getLogger(__name__)
 
 # cuBLASLt FP8 GEMMs need the contraction dim and the output columns in multiples of 16.
 _CUDA_ALIGN = 16
@@ -21,6 +35,65 @@ def uses_native_fp8_gemm(device: torch.device) -> bool:
 
 
 def _row_major(t: torch.Tensor) -> torch.Tensor:
+    """``t`` [R, C] laid out row-major, also in inductor's output: it drops a bare ``contiguous()``
+    before a pointwise op and keeps the input's layout, and a BLAS matmul can round differently for
+    a transposed operand (seen at 8x256x8)."""
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    if force is None:
+        return t.contiguous()
+    return force.default(t, (t.shape[1], 1))
+
+
+def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:
+    """(a * sa) @ (b * sb) in fp32, then ``out_dtype``: CPU _scaled_mm's operations (its fallback
+    without AMX makes both operands row-major first, so the fp32 matmul sees the same layouts)."""
+    a32 = _row_major(a.to(torch.float32) * sa)
+    b32 = _row_major(b.to(torch.float32) * sb)
+    return (a32 @ b32).to(out_dtype)
+
+
+@torch._dynamo.disable
+def cpu_emulates_scaled_mm() -> bool:
+    """Does the torch-op emulation give CPU torch._scaled_mm's bits on this machine? Checked once per
+    process on operand pairs of both FP8 formats, non-power-of-two scales, fp32 and bf16 outputs, and
+    shapes with odd M, K, N; on real tensors even when first asked while a graph is being traced."""
+    with _disable_current_modes():
+        return _check_cpu_emulation()
+
+
+@functools.lru_cache(maxsize=None)
+def _check_cpu_emulation() -> bool:
+    gen = torch.Generator().manual_seed(0)
+    cases = ((torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (37, 64, 48)),
+             (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (8, 256, 8)),
+             (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, (64, 96, 33)),
+             (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32, (48, 129, 80)))
+    try:
+        for a_dtype, b_dtype, out_dtype, (m, k, n) in cases:
+            a = (torch.randn(m, k, generator=gen) * 16).to(a_dtype)
+            b = (torch.randn(n, k, generator=gen) * 16).to(b_dtype).t()
+            sa, sb = torch.rand((), generator=gen) + 0.1, torch.rand((), generator=gen) * 3 + 0.1
+            native = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+            if not torch.equal(native, _emulated(a, b, sa, sb, out_dtype)):
+                log.info("te_compile: CPU torch._scaled_mm differs from its torch-op emulation here; keeping it")
+                return False
+    except (RuntimeError, NotImplementedError) as err:   # no CPU _scaled_mm in this build
+        log.info("te_compile: CPU torch._scaled_mm unavailable (%s); FP8 GEMMs emulated", err)
+        return True
+    return True
+
+
+def fp8_gemm_kind(device: torch.device) -> str:
+    """How per-tensor FP8 GEMMs run on ``device``, for the report."""
+    device = torch.device(device)
+    if device.type == "cpu" and cpu_emulates_scaled_mm():
+        return "FP8 GEMMs (CPU: fp32 matmul of the FP8 values, torch._scaled_mm's bits)"
+    if not uses_native_fp8_gemm(device):
+        return "FP8 GEMMs (emulated: no FP8 GEMM on this device)"
+    return "FP8 GEMMs (torch._scaled_mm)"
+
+
+def _canonical_strides(t: torch.Tensor) -> torch.Tensor:
     """``t`` (contiguous [R, C]) with the strides (C, 1) literally.
 
     torch calls a tensor with a size-1 dim contiguous whatever that dim's stride, so ``.contiguous()``
@@ -45,12 +118,11 @@ def fp8_gemm(
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
     too, so callers must produce them; eager would accept any layout and hide the mistake.
     """
-    a, b = _row_major(a), _row_major(b.t()).t()
     sa = a_scale_inv.reshape(())
     sb = b_scale_inv.reshape(())
-    if not uses_native_fp8_gemm(a.device):
-        # Exact dequantize-then-matmul: equal to CPU _scaled_mm bit for bit.
-        return ((a.to(torch.float32) @ b.to(torch.float32)) * (sa * sb)).to(out_dtype)
+    if not uses_native_fp8_gemm(a.device) or (a.device.type == "cpu" and cpu_emulates_scaled_mm()):
+        return _emulated(a, b, sa, sb, out_dtype)   # the module docstring says why on CPU
+    a, b = _canonical_strides(a), _canonical_strides(b.t()).t()
     if a.device.type == "cuda":
         # Zero rows/columns along K change nothing; pad K (e.g. the token count in wgrad) to 16.
         k = a.shape[1]

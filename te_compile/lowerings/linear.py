@@ -18,6 +18,7 @@ import torch
 from ..distributed import AmaxGroup
 from ..recipe import Recipe
 from .fp8_linear import NO_GROUPS, PER_TENSOR_RECIPES, Fp8LinearFunction
+from .gemm import fp8_gemm_kind
 from .quantizers import FACTORY_RECIPES, quantizer_factory
 from .quantized_linear import QuantizedLinearFunction
 from .sharded_linear import plan_linear_sharding, sharded_linear
@@ -41,10 +42,11 @@ class LinearSpec:
     amax_groups: tuple[tuple[AmaxGroup, ...], ...] = NO_GROUPS
 
 
-def gemm_kind(recipe: Recipe, native: bool = False, why: str = "") -> str:
-    """How the site's GEMMs run, for the report; ``native`` / ``why``: the block-GEMM probe's answer."""
+def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optional[torch.device] = None) -> str:
+    """How the site's GEMMs run on ``device``, for the report; ``native`` / ``why``: the block-GEMM
+    probe's answer."""
     if isinstance(recipe, PER_TENSOR_RECIPES):
-        return "FP8 GEMMs (torch._scaled_mm)"
+        return fp8_gemm_kind(device) if device is not None else "FP8 GEMMs (torch._scaled_mm)"
     if recipe.custom():
         return "custom quantizers, dequantize-then-matmul GEMMs"
     fmt = {"MXFP8BlockScaling": "MXFP8", "Float8BlockScaling": "FP8 block",

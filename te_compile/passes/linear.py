@@ -119,7 +119,8 @@ def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
         native, gemm_why = _gemm_path(site, recipe, config)
         spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
         planned.append((site, LinearLowering(spec), extra))
-        record(True, f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why)} ({why})", recipe.name,
+        device = getattr(site.weight.meta.get("example_value"), "device", None)
+        record(True, f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name,
                collectives)
     # Consumers first: rewriting a site erases its node, which a later site's x may still name
     # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.

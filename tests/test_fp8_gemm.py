@@ -1,0 +1,69 @@
+"""Per-tensor FP8 GEMMs (te_compile/lowerings/gemm.py): on CPU the torch-op emulation must give
+torch._scaled_mm's bits, eagerly and compiled by inductor, for the layouts the lowerings pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from te_compile.lowerings import gemm
+from utils import assert_bitwise_equal
+
+E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
+
+# (M, K, N), a's format, b's format (fprop: E4M3 x E4M3; dgrad / wgrad: E5M2 gradients), output dtype
+CASES = [
+    ((8, 256, 8), E4M3, E4M3, torch.float32),      # a small GEMM: BLAS rounds a transposed b differently
+    ((1, 64, 64), E4M3, E4M3, torch.float32),      # one token
+    ((33, 65, 17), E5M2, E4M3, torch.float32),
+    ((128, 64, 192), E4M3, E4M3, torch.bfloat16),
+    ((64, 96, 1), E5M2, E4M3, torch.bfloat16),
+]
+
+
+def _operands(case, b_row_major: bool):
+    (m, k, n), a_dtype, b_dtype, _ = case
+    gen = torch.Generator().manual_seed(m * 7 + n)
+    a = (torch.randn(m, k, generator=gen) * 16).to(a_dtype)
+    b = (torch.randn(n, k, generator=gen) * 16).to(b_dtype).t()       # column-major [K, N], as callers pass
+    if b_row_major:
+        b = b.contiguous()
+    sa, sb = torch.rand(1, generator=gen) + 0.1, torch.rand(1, generator=gen) * 3 + 0.1
+    return a, b, sa, sb
+
+
+def _scaled_mm(a, b, sa, sb, out_dtype):
+    return torch._scaled_mm(a, b, scale_a=sa.reshape(()), scale_b=sb.reshape(()), out_dtype=out_dtype)
+
+
+def test_the_emulation_is_chosen_here():
+    assert gemm.cpu_emulates_scaled_mm()
+    assert gemm.fp8_gemm_kind("cpu").startswith("FP8 GEMMs (CPU: fp32 matmul")
+
+
+@pytest.mark.parametrize("b_row_major", [False, True], ids=["b_col_major", "b_row_major"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "x".join(map(str, c[0])) if isinstance(c, tuple) else None)
+def test_emulation_gives_scaled_mm_bits_eager_and_compiled(case, b_row_major):
+    a, b, sa, sb = _operands(case, b_row_major)
+    out_dtype = case[3]
+    expect = _scaled_mm(a, b, sa, sb, out_dtype)
+    assert_bitwise_equal(gemm.fp8_gemm(a, b, sa, sb, out_dtype), expect, "eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(gemm.fp8_gemm, dynamic=False)
+    assert_bitwise_equal(compiled(a, b, sa, sb, out_dtype), expect, "inductor")
+
+
+def test_a_mismatch_keeps_scaled_mm(monkeypatch):
+    """Where the emulation's bits would differ on some machine, the check says so and fp8_gemm calls
+    _scaled_mm."""
+    monkeypatch.setattr(gemm, "_emulated", lambda a, b, sa, sb, out_dtype: _scaled_mm(a, b, sa, sb, out_dtype) + 1)
+    gemm._check_cpu_emulation.cache_clear()
+    try:
+        assert not gemm.cpu_emulates_scaled_mm()
+        assert gemm.fp8_gemm_kind("cpu") == "FP8 GEMMs (torch._scaled_mm)"
+        a, b, sa, sb = _operands(CASES[0], False)
+        assert_bitwise_equal(gemm.fp8_gemm(a, b, sa, sb, torch.float32), _scaled_mm(a, b, sa, sb, torch.float32))
+    finally:
+        monkeypatch.undo()
+        gemm._check_cpu_emulation.cache_clear()
+    assert gemm.cpu_emulates_scaled_mm()
