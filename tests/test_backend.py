@@ -179,6 +179,33 @@ def test_dynamic_shapes_one_graph_for_all_lengths():
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_training_steps_at_fixed_shapes_compile_once(recipe):
+    """Steps of forward, backward and optimizer at fixed shapes, with every pass at work (norm and
+    activation fusion, FP8 attention with fp8_mha; DelayedScaling's state updating in place):
+    one graph, no graph break, no recompile (issue 17)."""
+    from te_compile.models import GPT
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    counters.clear()
+    torch.manual_seed(0)
+    model = GPT(vocab_size=VOCAB, n_layer=2, n_head=2, n_embd=32, block_size=T)
+    compiled = torch.compile(model, backend="te", fullgraph=True, options={
+        "recipe": recipe, "compiler": "aot_eager", "recipe_options": {"fp8_mha": True}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for step in range(3):
+        _, loss = compiled(*_batch(step))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    ops = {s.op for s in te_compile.report().rewritten}
+    assert {"linear", "layer_norm", "gelu", "sdpa", "fp8_mha"} <= ops, ops
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    assert not counters["recompiles"] and not counters["graph_break"], (dict(counters["recompiles"]),
+                                                                       dict(counters["graph_break"]))
+
+
 def test_bad_option_names_key_and_allowed_values():
     torch._dynamo.reset()
     compiled = torch.compile(nn.Linear(32, 32), backend="te", options={"recipe": "Float9"})
