@@ -78,6 +78,8 @@ def _projection(out: fx.Node) -> tuple[Optional[Reader], bool, str]:
         node, nxt = nxt, _only_user(nxt)
     if nxt is None or method_or_name(nxt) not in _RESHAPES or nxt.args[0] is not node:
         return None, False, "its transposed output is not reshaped to [B, T, H*D] for one reader"
+    if value_of(nxt) is None:
+        return None, False, "its reshaped output has no recorded shape"
     shape = value_of(nxt).shape
     merged = statically_known_true(shape[-1] == h * d)
     if len(shape) == 3 and merged and statically_known_true(shape[0] == b) and statically_known_true(shape[1] == t):
