@@ -206,6 +206,34 @@ def test_training_steps_at_fixed_shapes_compile_once(recipe):
                                                                        dict(counters["graph_break"]))
 
 
+def test_reduce_overhead_mode_is_accepted_and_forwarded_to_inductor(monkeypatch):
+    """``mode="reduce-overhead"`` (CUDA graphs on a GPU; inductor skips them on CPU) compiles the
+    te graph with the mode's inductor options and computes what the default mode does."""
+    from torch._inductor import compile_fx as compile_fx_module
+
+    patches = []
+    real = compile_fx_module.compile_fx
+
+    def spy(gm, example_inputs, config_patches=None, **kwargs):
+        patches.append(dict(config_patches or {}))
+        return real(gm, example_inputs, config_patches=config_patches, **kwargs)
+
+    monkeypatch.setattr(compile_fx_module, "compile_fx", spy)
+    torch.manual_seed(0)
+    base = TinyGPT()
+    idx, targets = _batch()
+    losses = {}
+    for mode in (None, "reduce-overhead"):
+        torch._dynamo.reset()
+        te_compile.reset()
+        compiled = torch.compile(copy.deepcopy(base), backend="te", mode=mode)
+        losses[mode] = _run(compiled, idx, targets)[0]
+        assert any(s.op == "linear" for s in te_compile.report().rewritten)
+    # the default mode patches nothing; reduce-overhead's patch (compile_fx then recurses without it)
+    assert patches[0] == {} and patches[1] == {"triton.cudagraphs": True}, patches
+    assert_sqnr_at_least(losses[None], losses["reduce-overhead"], 60.0, "loss")
+
+
 def test_bad_option_names_key_and_allowed_values():
     torch._dynamo.reset()
     compiled = torch.compile(nn.Linear(32, 32), backend="te", options={"recipe": "Float9"})
