@@ -387,6 +387,17 @@ if HAS_TRITON:
         return ds
 
     @triton.jit
+    def _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr):
+        """Both backward kernels' (batch, head) program: (b, h, its key/value head, q, k, v descales,
+        dO's descale, dS's scale)."""
+        b = pid_bh // H
+        h = pid_bh % H
+        hkv = h // GROUP
+        hkv_all = H // GROUP
+        return (b, h, hkv, tl.load(qd_ptr + b * H + h), tl.load(kd_ptr + b * hkv_all + hkv),
+                tl.load(vd_ptr + b * hkv_all + hkv), tl.load(dod_ptr + pid_bh), tl.load(dss_ptr + pid_bh))
+
+    @triton.jit
     def _fp8_attention_bwd_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, qd_ptr, kd_ptr, vd_ptr, mask_ptr, do_ptr, do8_ptr, dod_ptr, dss_ptr,
         lse_ptr, delta_ptr, dk_ptr, dv_ptr,
@@ -398,10 +409,7 @@ if HAS_TRITON:
     ):
         pid_n = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hkv = h // GROUP
-        hkv_all = H // GROUP
+        b, h, hkv, qd, kd, vd, dod, dss = _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr)
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         dims = tl.arange(0, BLOCK_D)
         cmask = cols < TK
@@ -409,11 +417,7 @@ if HAS_TRITON:
         tile_n = cmask[:, None] & dmask[None, :]
         k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)
         v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
-        qd = tl.load(qd_ptr + b * H + h)
-        kv_scale = qd * tl.load(kd_ptr + b * hkv_all + hkv) * sm_scale
-        vd = tl.load(vd_ptr + b * hkv_all + hkv)
-        dod = tl.load(dod_ptr + pid_bh)
-        dss = tl.load(dss_ptr + pid_bh)
+        kv_scale = qd * kd * sm_scale
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         lo = 0
@@ -460,21 +464,14 @@ if HAS_TRITON:
     ):
         pid_m = tl.program_id(0)
         pid_bh = tl.program_id(1)
-        b = pid_bh // H
-        h = pid_bh % H
-        hkv = h // GROUP
-        hkv_all = H // GROUP
+        b, h, hkv, qd, kd, vd, dod, dss = _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         dims = tl.arange(0, BLOCK_D)
         rmask = rows < TQ
         dmask = dims < D
         tile_m = rmask[:, None] & dmask[None, :]
         q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile_m, other=0.0)
-        kd = tl.load(kd_ptr + b * hkv_all + hkv)
-        kv_scale = tl.load(qd_ptr + b * H + h) * kd * sm_scale
-        vd = tl.load(vd_ptr + b * hkv_all + hkv)
-        dod = tl.load(dod_ptr + pid_bh)
-        dss = tl.load(dss_ptr + pid_bh)
+        kv_scale = qd * kd * sm_scale
         lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
         delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
         d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
