@@ -49,8 +49,9 @@ class AttentionProjectionFunction(torch.autograd.Function):
                 w_nk, l_carrier, x_scale, w_scale, g_scale):
         att, recipe = spec.attention, spec.recipe
         scales = torch.cat([a_q, a_k, a_v]) if a_q is not None else None
+        # no per-head FP8 copy of O: the projection's FP8 input stands in for it in the backward
         o, lse, q8, k8, v8, _, qd, kd, vd, _, amaxes = torch.ops.te_compile.fp8_attention_forward(
-            q, k, v, mask, att.sm_scale, att.causal, scales)
+            q, k, v, mask, att.sm_scale, att.causal, scales, False)
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
         xq, x_sinv, x_amax = _quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))

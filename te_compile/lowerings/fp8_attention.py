@@ -2,9 +2,10 @@
 
 Two opaque custom ops around kernels/fp8_attention.py, tied together by an autograd.Function:
 
-    te_compile::fp8_attention_forward(q, k, v, mask, sm_scale, causal, scales)
+    te_compile::fp8_attention_forward(q, k, v, mask, sm_scale, causal, scales, quantize_o)
         -> o (q's dtype), lse [B, H, Tq], q8, k8, v8, o8 (E4M3), q/k/v/o descales [B, H or Hkv] (fp32),
-           amaxes [3] (q, k, v; zeros without ``scales``)
+           amaxes [3] (q, k, v; zeros without ``scales``); o8 and its descale empty without
+           ``quantize_o`` (attention_projection.py keeps O in the projection's FP8 input instead)
     te_compile::fp8_attention_backward(dO, q8, k8, v8, o8, the four descales, lse, mask, sm_scale, causal,
                                        fp8_grads, grad_dtype, do_scale) -> dq, dk, dv (dO's dtype),
                                        dO's amax [1] (zeros without ``do_scale`` or ``fp8_grads``)
@@ -98,7 +99,7 @@ def _amaxes(*tensors: torch.Tensor) -> torch.Tensor:
 
 @torch.library.custom_op("te_compile::fp8_attention_forward", mutates_args=())
 def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
-                sm_scale: float, causal: bool, scales: Optional[torch.Tensor] = None
+                sm_scale: float, causal: bool, scales: Optional[torch.Tensor] = None, quantize_o: bool = True
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                            torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     per_tensor = (None, None, None) if scales is None else (scales[0:1], scales[1:2], scales[2:3])
@@ -108,8 +109,9 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
     amaxes = _amaxes(q, k, v) if scales is not None else q.new_zeros(3, dtype=torch.float32)
     o, lse = fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, sm_scale=sm_scale,
                                    causal=causal, mask=mask, out_dtype=q.dtype)
-    # O is saved for the backward's D = rowsum(dO * O); in FP8 like Q, K, V
-    o8, o_descale = quantize_heads(o)
+    # O is saved for the backward's D = rowsum(dO * O); in FP8 like Q, K, V. Without ``quantize_o``
+    # (fp8_mha: the projection's FP8 input serves) o8 and its descale come back empty.
+    o8, o_descale = quantize_heads(o) if quantize_o else _empty_heads(q)
     # contiguous, as the fake outputs are: q, k, v often arrive as transposed views ([B, T, H, D] data)
     # and the casts keep their strides
     return (o.contiguous(), lse.contiguous(), q8.contiguous(), k8.contiguous(), v8.contiguous(), o8.contiguous(),
@@ -117,15 +119,20 @@ def _forward_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optiona
 
 
 @_forward_op.register_fake
-def _(q, k, v, mask, sm_scale, causal, scales=None):
+def _(q, k, v, mask, sm_scale, causal, scales=None, quantize_o=True):
     b, h, tq, d = q.shape
     hkv = k.shape[1]
     heads = q.new_empty((b, h), dtype=torch.float32)
     kv_heads = q.new_empty((b, hkv), dtype=torch.float32)
+    o8, o_descale = (q.new_empty(q.shape, dtype=E4M3), heads.clone()) if quantize_o else _empty_heads(q)
     return (q.new_empty(q.shape), q.new_empty((b, h, tq), dtype=torch.float32),
             q.new_empty(q.shape, dtype=E4M3), k.new_empty(k.shape, dtype=E4M3), v.new_empty(v.shape, dtype=E4M3),
-            q.new_empty(q.shape, dtype=E4M3), heads, kv_heads, kv_heads.clone(), heads.clone(),
-            q.new_empty(3, dtype=torch.float32))
+            o8, heads, kv_heads, kv_heads.clone(), o_descale, q.new_empty(3, dtype=torch.float32))
+
+
+def _empty_heads(q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The op's (o8, o descale) when O is not quantized: empty E4M3 and fp32 tensors."""
+    return q.new_empty(0, dtype=E4M3), q.new_empty(0, dtype=torch.float32)
 
 
 @torch.library.custom_op("te_compile::fp8_attention_backward", mutates_args=())
