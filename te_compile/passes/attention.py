@@ -58,7 +58,6 @@ def _args(node: fx.Node) -> dict[str, Any]:
     return args
 
 
-
 def _ineligibility(args: dict) -> Optional[str]:
     """Why this call stays SDPA, or None when FP8 attention computes it."""
     for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):

@@ -44,7 +44,6 @@ def weight_ineligibility(weight: torch.Tensor, recipe: Recipe) -> Optional[str]:
     return None
 
 
-
 def _divisible(dim, by: int) -> bool:
     """True when ``dim`` (int or SymInt) is known to be a multiple of ``by`` for every shape the
     graph is compiled for; a symbolic dim is judged by the ShapeEnv's facts, never by the hint."""

@@ -77,7 +77,6 @@ def module_fqn(node: fx.Node) -> str:
     return normalize_path(path)
 
 
-
 def _rank(node) -> int:
     value = value_of(node)
     return value.dim() if value is not None else -1
