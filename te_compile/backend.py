@@ -20,15 +20,22 @@ log = logging.getLogger("te_compile")
 
 
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-                    mode: Optional[str]) -> Callable:
+                    mode: Optional[str], cacheable: Optional[dict[str, str]] = None) -> Callable:
+    """aot_eager or inductor (with ``mode``'s options) on the rewritten graph. ``cacheable``: the
+    lowerings' published names (passes/cache_names.py), vouched for to AOTAutograd's cache while
+    this graph compiles, which then keys the graph by them instead of bypassing it."""
     if config.compiler == "aot_eager":
         from torch._dynamo.backends.debugging import aot_eager
 
         return aot_eager(gm, example_inputs)
+    import torch._inductor.config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     patches = list_mode_options(mode) if mode else {}
+    if cacheable:
+        patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
+                                                        **cacheable}
     return compile_fx(gm, example_inputs, config_patches=patches)
 
 
@@ -97,7 +104,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
     extra = _static_examples(result.extra_tensors(example_inputs), example_inputs)
-    compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode), result)
+    compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode, result.cacheable), result)
     _record(records)
     if result.instances is not None:
         result.instances.seen.add(id(example_inputs[result.instances.anchor_index]))

@@ -152,7 +152,7 @@ class AotGraphs:
                 return boxed_nop(gm, example_inputs)
             return compiler
 
-        def final(gm, example_inputs, config, mode):
+        def final(gm, example_inputs, config, mode, cacheable=None):
             return aot_eager(gm, example_inputs, fw_compiler=record(self.forward),
                              bw_compiler=record(self.backward))
 

@@ -82,9 +82,7 @@ class LinearLowering:
                 f"{spec.fqn}: recipe {spec.recipe.name} is not supported by the te backend "
                 f"(supported: {[r.__name__ for r in SUPPORTED_RECIPES]})"
             )
-        self.spec = spec
-        per_tensor = isinstance(spec.recipe, PER_TENSOR_RECIPES)
-        self._factory = None if per_tensor else quantizer_factory(spec.recipe)
+        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
         # FX codegen names the call after these.
         self.__name__ = f"te_linear_{spec.recipe.name}"
         self.__qualname__ = self.__name__
@@ -122,8 +120,9 @@ class LinearLowering:
     def _local(self, x, w_nk, delayed, groups) -> torch.Tensor:
         """x [..., K] @ w_nk.T -> [..., N] on plain tensors."""
         x2d = x.reshape(-1, x.shape[-1])
-        if self._factory is not None:
-            y = QuantizedLinearFunction.apply(x2d, w_nk, self._factory, self.spec.native_gemm, groups)
+        if not isinstance(self.spec.recipe, PER_TENSOR_RECIPES):
+            y = QuantizedLinearFunction.apply(x2d, w_nk, quantizer_factory(self.spec.recipe), self.spec.native_gemm,
+                                              groups)
         else:
             # current scaling: no carrier and no scales
             y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, groups, *(delayed or (None,) * 4))

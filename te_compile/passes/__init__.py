@@ -4,7 +4,8 @@ The driver knows nothing about any site kind. It walks the graphs once (the top 
 bodies inside it, ``graphs.graph_scopes``), runs each pass over each of them (a pass is a function
 ``(ctx, scope) -> count`` that changes ``scope``'s graph in place and reports one row per site it
 saw through ``ctx.record``), lets the recipe state collected on the way wire itself in, and cleans up:
-dead-code elimination, lint and recompile of every graph.
+dead-code elimination, stable names for the lowerings (``cache_names``: so that AOTAutograd's cache
+keeps the graph), lint and recompile of every graph.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
 from .attention_projection import fuse_attention_projections
+from .cache_names import publish_lowerings
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -69,6 +71,9 @@ class PassResult:
     extra_inputs: list[ExtraInput] = field(default_factory=list)   # after Dynamo's, in order
     counts: dict[str, int] = field(default_factory=dict)           # pass name -> sites rewritten
     instances: Optional[FrameInstances] = None   # None: the graph takes no parameter
+    # "<module>.<name>" -> digest of each lowering the graph calls (cache_names.py): for inductor's
+    # unsafe_marked_cacheable_functions, so that AOTAutograd's cache may keep the graph
+    cacheable: dict[str, str] = field(default_factory=dict)
 
     def extra_tensors(self, args: Sequence) -> list[torch.Tensor]:
         """The extra graph inputs for a call with Dynamo's ``args``."""
@@ -91,6 +96,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     extra_inputs = ctx.delayed.finish()
     for scope in scopes:
         scope.graph.eliminate_dead_code()
+    cacheable = publish_lowerings([scope.gm for scope in scopes])
+    for scope in scopes:
         scope.graph.lint()
         scope.gm.recompile()
     records = ctx.records()
@@ -98,4 +105,4 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     anchor = min(top.params.values(), key=lambda p: p.index, default=None)
     instances = None if anchor is None else FrameInstances(
         config, records, top.prefix, anchor.index, anchor.name[len(top.prefix):])
-    return PassResult(records, extra_inputs, counts, instances)
+    return PassResult(records, extra_inputs, counts, instances, cacheable)
