@@ -144,6 +144,8 @@ def test_backend_uses_the_weight_as_is(name):
             a.copy_(b.get_high_precision_init_val())
     x = torch.randn(16, 64)
     options = {"recipe": name, "compiler": "aot_eager"}
+    # a fresh Dynamo cache: past Dynamo's recompile limit for this code the model would run eagerly
+    torch._dynamo.reset()
     te_compile.reset()
     outs = []
     for model in (ref, fp8):

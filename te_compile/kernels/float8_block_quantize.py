@@ -217,10 +217,32 @@ def float8_block_quantize(
     amax_epsilon: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantize x [M, K]: the Triton kernel for CUDA tensors when Triton is present, the
-    plain-torch reference otherwise. Returns (data uint8 [M, K], scale_inv fp32 [Mt, Kt])."""
+    plain-torch reference otherwise (on CPU as one opaque op, for compile time: see
+    ``nvfp4_quantize``). Returns (data uint8 [M, K], scale_inv fp32 [Mt, Kt])."""
     if use_triton(x):
         fn = float8_block_quantize_triton
+    elif x.device.type == "cpu":
+        _check_args(x, fp8_dtype, tile_rows, amax_epsilon)
+        return _float8_block_quantize_cpu(x.detach(), fp8_dtype, tile_rows, bool(force_pow_2_scales),
+                                          float(amax_epsilon))
     else:
         fn = float8_block_quantize_reference
     return fn(x, fp8_dtype, tile_rows=tile_rows, force_pow_2_scales=force_pow_2_scales,
               amax_epsilon=amax_epsilon)
+
+
+@torch.library.custom_op("te_compile::float8_block_quantize_cpu", mutates_args=(), device_types="cpu")
+def _float8_block_quantize_cpu(x: torch.Tensor, fp8_dtype: torch.dtype, tile_rows: int, force_pow_2_scales: bool,
+                               amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference as one opaque op on CPU (see ``float8_block_quantize``), outputs contiguous as its
+    fake says (the reference slices the padding off)."""
+    data, scale_inv = float8_block_quantize_reference(x, fp8_dtype, tile_rows=tile_rows,
+                                                      force_pow_2_scales=force_pow_2_scales, amax_epsilon=amax_epsilon)
+    return data.contiguous(), scale_inv.contiguous()
+
+
+@_float8_block_quantize_cpu.register_fake
+def _(x, fp8_dtype, tile_rows, force_pow_2_scales, amax_epsilon):
+    m, k = x.shape
+    return (x.new_empty((m, k), dtype=torch.uint8),
+            x.new_empty(_scale_inv_shape(m, k, tile_rows), dtype=torch.float32))

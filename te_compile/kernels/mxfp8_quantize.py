@@ -177,7 +177,24 @@ def mxfp8_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torc
 
 def mxfp8_quantize(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """MXFP8 quantize x: [M, K] -> (uint8 fp8 bytes [M, K], uint8 E8M0 codes [M, ceil(K/32)]):
-    the Triton kernel for CUDA tensors when triton is installed, the reference otherwise."""
+    the Triton kernel for CUDA tensors when triton is installed, the reference otherwise (on CPU as
+    one opaque op, for compile time: see ``nvfp4_quantize``)."""
     if use_triton(x):
         return mxfp8_quantize_triton(x, fp8_dtype)
+    if x.device.type == "cpu":
+        _validate(x, fp8_dtype)
+        return _mxfp8_quantize_cpu(x.detach(), fp8_dtype)
     return mxfp8_quantize_reference(x, fp8_dtype)
+
+
+@torch.library.custom_op("te_compile::mxfp8_quantize_cpu", mutates_args=(), device_types="cpu")
+def _mxfp8_quantize_cpu(x: torch.Tensor, fp8_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference as one opaque op on CPU (see ``mxfp8_quantize``), outputs contiguous as its fake says."""
+    data, scale = mxfp8_quantize_reference(x, fp8_dtype)
+    return data.contiguous(), scale.contiguous()
+
+
+@_mxfp8_quantize_cpu.register_fake
+def _(x, fp8_dtype):
+    m, k = x.shape
+    return x.new_empty((m, k), dtype=torch.uint8), x.new_empty((m, -(-k // MXFP8_BLOCK)), dtype=torch.uint8)

@@ -48,6 +48,7 @@ __all__ = [
     "nvfp4_quantize_reference",
     "nvfp4_quantize_triton",
     "nvfp4_dequantize",
+    "nvfp4_dequantize_reference",
     "unpack_e2m1",
 ]
 
@@ -184,7 +185,25 @@ def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """(e2m1_value(code) * bs) / S in fp32 (one division). data: uint8 [M, K // 2], scale: uint8
-    [M, K // 16] e4m3 bytes, global_amax: fp32 [1] (the amax the data was quantized with) -> [M, K]."""
+    [M, K // 16] e4m3 bytes, global_amax: fp32 [1] (the amax the data was quantized with) -> [M, K].
+    On CPU one opaque op, like ``nvfp4_quantize``."""
+    if data.device.type == "cpu" and isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
+        _check_dequantize_args(data, scale)
+        return _nvfp4_dequantize_cpu(data, scale, global_amax.detach())
+    return nvfp4_dequantize_reference(data, scale, global_amax)
+
+
+def _check_dequantize_args(data: torch.Tensor, scale: torch.Tensor) -> None:
+    if data.dtype != torch.uint8 or data.dim() != 2:
+        raise ValueError(f"data must be a 2-D uint8 tensor [M, K // 2], got {data.dtype} {tuple(data.shape)}")
+    m, k = data.shape[0], data.shape[1] * 2
+    if scale.dtype != torch.uint8 or tuple(scale.shape) != (m, k // NVFP4_BLOCK):
+        raise ValueError(f"scale must be uint8 {(m, k // NVFP4_BLOCK)} for data {tuple(data.shape)}, "
+                         f"got {scale.dtype} {tuple(scale.shape)}")
+
+
+def nvfp4_dequantize_reference(data: torch.Tensor, scale: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
+    """``nvfp4_dequantize`` in plain torch."""
     values = unpack_e2m1(data)
     m, k = values.shape
     if scale.dtype != torch.uint8 or tuple(scale.shape) != (m, k // NVFP4_BLOCK):
@@ -193,6 +212,17 @@ def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_amax: torch
     bs = scale.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1)
     s = nvfp4_global_scale(global_amax)
     return torch.div(values * bs, s)
+
+
+@torch.library.custom_op("te_compile::nvfp4_dequantize_cpu", mutates_args=(), device_types="cpu")
+def _nvfp4_dequantize_cpu(data: torch.Tensor, scale: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
+    """The reference as one opaque op on CPU (see ``nvfp4_dequantize``)."""
+    return nvfp4_dequantize_reference(data, scale, global_amax).contiguous()
+
+
+@_nvfp4_dequantize_cpu.register_fake
+def _(data, scale, global_amax):
+    return data.new_empty((data.shape[0], data.shape[1] * 2), dtype=torch.float32)
 
 
 if HAS_TRITON:
@@ -333,6 +363,20 @@ def nvfp4_quantize_triton(
     return data, scale
 
 
+@torch.library.custom_op("te_compile::nvfp4_quantize_cpu", mutates_args=(), device_types="cpu")
+def _nvfp4_quantize_cpu(x: torch.Tensor, global_amax: torch.Tensor, tile_rows: int,
+                        rand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference as one opaque op on CPU (see ``nvfp4_quantize``), outputs contiguous as its fake says."""
+    data, scale = nvfp4_quantize_reference(x, global_amax, tile_rows=tile_rows, rand=rand)
+    return data.contiguous(), scale.contiguous()
+
+
+@_nvfp4_quantize_cpu.register_fake
+def _(x, global_amax, tile_rows, rand):
+    m, k = x.shape
+    return x.new_empty((m, k // 2), dtype=torch.uint8), x.new_empty((m, k // NVFP4_BLOCK), dtype=torch.uint8)
+
+
 def nvfp4_quantize(
     x: torch.Tensor,
     global_amax: torch.Tensor,
@@ -343,9 +387,15 @@ def nvfp4_quantize(
     """NVFP4-quantize x [M, K] with the tensor amax ``global_amax`` ([1]): the Triton kernel for
     CUDA tensors when Triton is present, the plain-torch reference otherwise. ``rand`` (fp32 [M, K]
     uniform [0, 1)) selects stochastic rounding. Returns (data uint8 [M, K // 2], scale uint8
-    [M, K // 16])."""
+    [M, K // 16]).
+
+    On CPU the reference runs as one opaque op (``te_compile::nvfp4_quantize_cpu``): a compiled graph
+    calls it rather than have inductor generate and compile C++ for its ~40 ops at every call site,
+    which made most of an NVFP4 model's compile time (issue 17). Elsewhere torch.compile traces the
+    reference and inductor fuses it."""
     if use_triton(x):
-        fn = nvfp4_quantize_triton
-    else:
-        fn = nvfp4_quantize_reference
-    return fn(x, global_amax, tile_rows=tile_rows, rand=rand)
+        return nvfp4_quantize_triton(x, global_amax, tile_rows=tile_rows, rand=rand)
+    if x.device.type == "cpu":
+        _check_args(x, global_amax, tile_rows, rand)   # the op's errors would name the op, not the argument
+        return _nvfp4_quantize_cpu(x.detach(), global_amax.detach(), tile_rows, rand)
+    return nvfp4_quantize_reference(x, global_amax, tile_rows=tile_rows, rand=rand)

@@ -16,13 +16,8 @@ from __future__ import annotations
 import torch
 
 from ..distributed import reduce_amaxes
-from ..kernels.nvfp4_quantize import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize, unpack_e2m1
-from .block_scaled_tensor import (
-    BlockScaledQuantizer,
-    BlockScaledTensor,
-    BlockScaledTensorStorage,
-    expand_block_scales,
-)
+from ..kernels.nvfp4_quantize import NVFP4_BLOCK, nvfp4_dequantize, nvfp4_quantize
+from .block_scaled_tensor import BlockScaledQuantizer, BlockScaledTensor, BlockScaledTensorStorage
 from .rht import apply_rht, undo_rht
 from ..scaling import tensor_amax
 
@@ -30,11 +25,9 @@ __all__ = ["NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage"]
 
 
 def _dequantize_2d(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """fp32 [R, C] from packed data [R, C/2], E4M3 scale bytes [R, C/16] and the tensor amax [1]."""
-    block_scale = scale.view(torch.float8_e4m3fn).to(torch.float32)
-    block_scale = expand_block_scales(block_scale, 1, scale.shape[1] * NVFP4_BLOCK, NVFP4_BLOCK)
-    # e2m1 * e4m3 is exact in fp32; one rounding in the division by the tensor scale
-    return (unpack_e2m1(data) * block_scale) / nvfp4_global_scale(amax).reshape(())
+    """fp32 [R, C] from packed data [R, C/2], E4M3 scale bytes [R, C/16] and the tensor amax [1]:
+    e2m1 * e4m3 is exact in fp32, then one rounding in the division by the tensor scale."""
+    return nvfp4_dequantize(data, scale, amax)
 
 
 def _unpack_codes(data: torch.Tensor) -> torch.Tensor:

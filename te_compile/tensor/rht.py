@@ -26,20 +26,20 @@ RHT_SIZE = 16
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
-def _sylvester_hadamard(n: int) -> torch.Tensor:
-    """The n x n Sylvester Hadamard matrix (n a power of two) with ±1 entries, float64 on CPU."""
-    h = torch.ones(1, 1, dtype=torch.float64)
-    while h.shape[0] < n:
-        h = torch.cat([torch.cat([h, h], dim=1), torch.cat([h, -h], dim=1)], dim=0)
-    return h
+def _sylvester_hadamard(n: int) -> list[list[int]]:
+    """The n x n Sylvester Hadamard matrix (n a power of two): ±1 entries, H[i][j] = (-1)^popcount(i & j)."""
+    return [[-1 if bin(i & j).count("1") % 2 else 1 for j in range(n)] for i in range(n)]
+
+
+# R's entries, computed once in Python: built from one list, R is one constant in a traced graph
+# (built with tensor ops it was ~20 nodes per call for inductor to generate code for)
+_R_VALUES = [[sign * h / 4.0 for h in row] for sign, row in zip(RHT_SIGNS, _sylvester_hadamard(RHT_SIZE))]
 
 
 def rht_matrix(device: Optional[torch.device] = None,
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """R = diag(RHT_SIGNS) @ H16 / 4: [16, 16], orthogonal (R @ R.T == I exactly)."""
-    signs = torch.tensor(RHT_SIGNS, dtype=torch.float64)
-    matrix = signs[:, None] * _sylvester_hadamard(RHT_SIZE) / 4.0
-    return matrix.to(device=device, dtype=dtype)
+    return torch.tensor(_R_VALUES, device=device, dtype=dtype)
 
 
 def _check_2d(x2d: torch.Tensor, name: str) -> None:
