@@ -1,0 +1,236 @@
+"""The GPU suite: one command for the speed figures issue 17 asks of a lent GPU, appended to BENCHMARKS.md.
+
+    python benchmarks/gpu_suite.py                    # CUDA: everything, appended to BENCHMARKS.md
+    python benchmarks/gpu_suite.py --device cpu       # tiny shapes, to keep the script working
+    python benchmarks/gpu_suite.py --only linear quantize --no-append
+
+Three parts, each provider measured side by side in this one run:
+- linear: forward + backward of one bias-free nn.Linear at M = K = N = 4096 and 8192 (CPU: 128), te
+  with each recipe vs inductor (bf16 on CUDA, fp32 on CPU) vs torchao float8 tensorwise when it
+  imports; TFLOP/s from 6·M·K·N;
+- block: one GPT block's training step (forward, backward, AdamW) at width 4096 (32 heads, batch 2 x
+  2048 tokens; CPU: width 64, 2 x 32), same providers;
+- quantize: te's quantize kernels in GB/s (input read once, outputs written once: the least any kernel
+  must move) against the device-to-device copy bandwidth measured here (``y.copy_(x)``, 2 bytes moved
+  per byte copied).
+
+The goals (issue 17, H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
+(TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
+quantize ≥ 85% of copy bandwidth. On CUDA the tables are appended to BENCHMARKS.md with the date, the
+device and the torch / Triton / CUDA versions (``--no-append`` to skip; on CPU only with ``--append``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+from tabulate import tabulate
+
+import _common
+import bench_block
+import bench_linear
+from te_compile.kernels.float8_block_quantize import float8_block_quantize
+from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose
+from te_compile.kernels.mxfp8_quantize import mxfp8_quantize
+from te_compile.kernels.nvfp4_quantize import nvfp4_quantize
+from te_compile.scaling import cast_to_fp8, compute_scale, tensor_amax
+
+PARTS = ("linear", "block", "quantize")
+BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
+E4M3 = torch.float8_e4m3fn
+
+# per device: linear cubes, the GPT block (B, T, C, heads), the quantize input [M, K]
+SHAPES = {
+    "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192)},
+    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512)},
+}
+GOALS = {"linear": 1.7, "block": 1.35, "block_vs_torchao": 1.1, "quantize": 0.85}
+
+
+# ---- linear and block: the providers of bench_linear.py / bench_block.py ---------------------------------
+
+def _run_cases(cases, device, args) -> list[_common.Row]:
+    rows = []
+    for size, flops, build in cases:
+        baseline = None
+        for provider in _common.providers(device):
+            if args.recipes and provider.name.startswith("te ") and provider.name.split()[1] not in args.recipes:
+                continue
+            first, median, note = _common.run_provider(provider, build, device, args)
+            if provider.name == "inductor":
+                baseline = median
+            rows.append(_common.make_row(size, provider, first, median, flops, baseline, args, note))
+            print(f"  {size:>12}  {provider.name:<36} "
+                  f"{'n/a' if median is None else f'{median * 1e3:.3f} ms'}", flush=True)
+    return rows
+
+
+def linear_rows(device, dtype, args) -> list[_common.Row]:
+    cases = [(f"{s}x{s}x{s}", 6.0 * s ** 3, bench_linear._builder(s, s, s, device, dtype))
+             for s in SHAPES[device.type]["linear"]]
+    return _run_cases(cases, device, args)
+
+
+def block_rows(device, dtype, args) -> list[_common.Row]:
+    b, t, c = SHAPES[device.type]["block"]
+    flops = bench_block._flops(b, t, c, 1, dtype)
+    return _run_cases([(f"{b}x{t}x{c}", flops, bench_block._builder(b, t, c, 1, device, dtype))], device, args)
+
+
+# ---- quantize ------------------------------------------------------------------------------------------
+
+def _per_tensor(x: torch.Tensor):
+    """What an FP8 linear does to its input under current scaling: amax, scale, the rowwise copy and
+    the transposed one for wgrad (inductor generates the kernels)."""
+    scale = compute_scale(tensor_amax(x), E4M3)
+    return cast_to_fp8(x, scale, E4M3), cast_to_fp8(x.t().contiguous(), scale, E4M3)   # [M, K], [K, M]
+
+
+def _quantize_ops(x: torch.Tensor) -> dict[str, tuple[Callable, int]]:
+    """name -> (function of x, bytes it must write) for x [M, K]."""
+    m, k = x.shape
+    amax = x.abs().amax().float().reshape(1)
+    scale = torch.ones(1, device=x.device)
+    return {
+        "FP8 per-tensor, rowwise + transposed (inductor)": (torch.compile(_per_tensor, dynamic=False), 2 * m * k),
+        "FP8 per-tensor, cast + transpose + amax": (lambda t: fp8_cast_transpose(t, scale, E4M3), 2 * m * k),
+        "MXFP8 1x32": (lambda t: mxfp8_quantize(t, E4M3), m * k + m * k // 32),
+        "FP8 block 1x128": (lambda t: float8_block_quantize(t, E4M3, tile_rows=1, force_pow_2_scales=True,
+                                                             amax_epsilon=0.0), m * k + 4 * m * k // 128),
+        "NVFP4 1x16": (lambda t: nvfp4_quantize(t, amax, tile_rows=1), m * k // 2 + m * k // 16),
+    }
+
+
+def quantize_rows(device, dtype, args) -> tuple[float, list[dict]]:
+    m, k = SHAPES[device.type]["quantize"]
+    x = torch.randn(m, k, device=device, dtype=dtype)
+    y = torch.empty_like(x)
+    copy_s = _common.time_step(lambda: y.copy_(x), device, args.iters, args.warmup)[1]
+    copy_gbs = 2 * x.numel() * x.element_size() / copy_s / 1e9
+    print(f"  copy {m}x{k} {dtype}: {copy_gbs:.1f} GB/s", flush=True)
+    rows = []
+    kind = "Triton kernel" if device.type == "cuda" else "reference, eager"
+    for name, (fn, out_bytes) in _quantize_ops(x).items():
+        try:
+            s = _common.time_step(lambda: fn(x), device, args.iters, args.warmup)[1]
+        except Exception as e:   # one kernel failing must not hide the others
+            rows.append({"kernel": name, "ms": None, "GB/s": None, "of copy": None,
+                         "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+            continue
+        gbs = (x.numel() * x.element_size() + out_bytes) / s / 1e9
+        rows.append({"kernel": name, "ms": s * 1e3, "GB/s": gbs, "of copy": gbs / copy_gbs,
+                     "note": "" if "inductor" in name else kind})
+        print(f"  {name:<48} {gbs:8.1f} GB/s", flush=True)
+    return copy_gbs, rows
+
+
+# ---- summary and BENCHMARKS.md -------------------------------------------------------------------------
+
+def _ratio(rows, size: str, provider: str, base: str = "inductor") -> Optional[float]:
+    by = {(r.size, r.provider): r.median_ms for r in rows}
+    a, b = by.get((size, provider)), by.get((size, base))
+    return b / a if a and b else None
+
+
+def goal_lines(device, results) -> list[str]:
+    out = []
+    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}x")
+    if "linear" in results:
+        s = max(SHAPES[device.type]["linear"])
+        size = f"{s}x{s}x{s}"
+        out.append(f"FP8 linear at {size}, te Float8CurrentScaling vs inductor: "
+                   f"{fmt(_ratio(results['linear'], size, 'te Float8CurrentScaling'))} (goal >= {GOALS['linear']}x)")
+    if "block" in results:
+        rows = results["block"]
+        size = rows[0].size
+        for recipe in ("Float8CurrentScaling", "DelayedScaling"):
+            out.append(f"GPT block {size}, te {recipe}: {fmt(_ratio(rows, size, 'te ' + recipe))} vs inductor "
+                       f"(goal >= {GOALS['block']}x), {fmt(_ratio(rows, size, 'te ' + recipe, 'torchao float8'))} "
+                       f"vs torchao float8 (goal >= {GOALS['block_vs_torchao']}x)")
+    if "quantize" in results:
+        _, rows = results["quantize"]
+        for r in rows:
+            share = "n/a" if r["of copy"] is None else f"{100 * r['of copy']:.0f}%"
+            out.append(f"quantize {r['kernel']}: {share} of copy bandwidth (goal >= {100 * GOALS['quantize']:.0f}%)")
+    return out
+
+
+def _row_table(rows: list[_common.Row]) -> str:
+    f = _common._fmt
+    return tabulate([(r.size, r.provider, f(r.median_ms, ".3f"), f(r.tflops, ".1f"), f(r.pct_peak, ".1f", "%"),
+                      f(r.speedup_vs_inductor, ".2f", "x"), f(r.first_call_s, ".1f"), r.note) for r in rows],
+                    headers=["size", "provider", "median ms", "TFLOP/s", "% of peak", "vs inductor",
+                             "first call s", "note"], disable_numparse=True)
+
+
+def report(device, args, results) -> str:
+    """The suite's text: what ran where, each table, the goals."""
+    cuda = torch.version.cuda or "none"
+    try:
+        import triton
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = "not installed"
+    lines = [f"{datetime.date.today().isoformat()}, {_common.describe_machine(device)}, Triton {triton_version}, "
+             f"CUDA {cuda}", f"command: python benchmarks/{os.path.basename(__file__)} {' '.join(sys.argv[1:])}",
+             f"median of {args.iters} iterations after {args.warmup} warm-up; {_common.precision_note(device)}", ""]
+    if "linear" in results:
+        lines += ["linear (forward + backward, bias-free):", _row_table(results["linear"]), ""]
+    if "block" in results:
+        lines += ["GPT block training step (one block, AdamW):", _row_table(results["block"]), ""]
+    if "quantize" in results:
+        copy_gbs, rows = results["quantize"]
+        m, k = SHAPES[device.type]["quantize"]
+        lines += [f"quantize {m}x{k} (copy bandwidth {copy_gbs:.1f} GB/s):",
+                  tabulate(rows, headers="keys", floatfmt=".2f", missingval="-"), ""]
+    lines += ["goals:"] + [f"- {g}" for g in goal_lines(device, results)]
+    return "\n".join(lines)
+
+
+def append_to_benchmarks(device, text: str) -> None:
+    title = f"\n## GPU suite: {datetime.date.today().isoformat()}, {_common.describe_machine(device)}\n\n"
+    with open(BENCHMARKS_MD, "a") as f:
+        f.write(title + "```\n" + text + "\n```\n")
+    print(f"\nappended to {BENCHMARKS_MD}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", nargs="+", choices=PARTS, default=list(PARTS), help="parts to run (default: all)")
+    parser.add_argument("--recipes", nargs="+", metavar="RECIPE",
+                        help="te recipes to include (default: every recipe the backend supports)")
+    append = parser.add_mutually_exclusive_group()
+    append.add_argument("--append", action="store_true", help="append to BENCHMARKS.md (default on CUDA)")
+    append.add_argument("--no-append", action="store_true", help="do not append to BENCHMARKS.md")
+    _common.add_common_args(parser)
+    args = parser.parse_args()
+    default_iters = args.iters is None
+    device = _common.resolve_device(args)
+    if device.type == "cpu" and default_iters:
+        args.iters = 5   # the CPU run only keeps the script working
+    dtype = _common.baseline_dtype(device)
+    print(f"gpu_suite: {_common.describe_machine(device)}; parts: {', '.join(args.only)}", flush=True)
+    results: dict = {}
+    if "linear" in args.only:
+        print("linear:", flush=True)
+        results["linear"] = linear_rows(device, dtype, args)
+    if "block" in args.only:
+        print("GPT block:", flush=True)
+        results["block"] = block_rows(device, dtype, args)
+    if "quantize" in args.only:
+        print("quantize:", flush=True)
+        results["quantize"] = quantize_rows(device, dtype, args)
+    text = report(device, args, results)
+    print("\n" + text)
+    if args.append or (device.type == "cuda" and not args.no_append):
+        append_to_benchmarks(device, text)
+
+
+if __name__ == "__main__":
+    main()
