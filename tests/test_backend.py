@@ -283,3 +283,35 @@ def test_entry_point_registers_te_without_import():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "1 (2, 16)"
+
+
+def test_recipe_state_inputs_are_static_for_cuda_graphs(monkeypatch):
+    """DelayedScaling's state and anchor inputs are marked static, as torch._dynamo.mark_static_address
+    marks a tensor: AOTAutograd lists them in static_input_indices, which CUDA graphs
+    (mode="reduce-overhead") read and write in place instead of copying in at each replay (issue 17).
+    The model's own inputs stay dynamic."""
+    import importlib
+
+    from torch._functorch._aot_autograd.frontend_utils import _try_get_metadata_from_dynamo
+
+    backend_module = importlib.import_module("te_compile.backend")
+    real = backend_module._final_compiler
+    graphs = []
+
+    def spy(gm, example_inputs, *args, **kwargs):
+        graphs.append(gm)
+        return real(gm, example_inputs, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "_final_compiler", spy)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16))
+    compiled = torch.compile(model, backend="te", options={"recipe": "DelayedScaling", "compiler": "aot_eager"})
+    compiled(torch.randn(4, 16)).sum().backward()
+    (gm,) = graphs
+    names = [n.name for n in gm.graph.find_nodes(op="placeholder")]
+    _, static = _try_get_metadata_from_dynamo(gm, [], len(names), [])
+    ours = [i for i, name in enumerate(names) if name.startswith("te_")]
+    assert len(ours) == 2 * 6 + 1, names   # two weights' (history, scale) x 3 roles, and the anchor
+    assert set(ours) <= set(static), (names, static)
+    assert not any(names[i].startswith("l_args") for i in static), (names, static)

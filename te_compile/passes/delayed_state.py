@@ -177,6 +177,11 @@ class DelayedState:
             # aot_autograd reads every placeholder's Dynamo source; None marks an input that does not
             # come from user code (as DDPOptimizer's split graphs do).
             last._dynamo_source = None
+            # a static input, as Dynamo marks one (torch._dynamo.mark_static_address): the state
+            # tensors and the anchor are the same objects at every call and the graph updates the
+            # state in place, so under CUDA graphs (mode="reduce-overhead") they are read and written
+            # where they live, not copied into the graph's own input buffers at each replay
+            last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             if fake_mode is not None:
                 last.meta["example_value"] = fake_mode.from_tensor(t, static_shapes=True)
             nodes.append(last)
