@@ -29,8 +29,7 @@ import torch.nn.functional as F
 
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, tensor_amax
-from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, quantize_weight
-from .gemm import fp8_gemm
+from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, fp8_dgrad_wgrad, fp8_fprop
 from .linear import LinearLowering, _autocast_dtype
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction", "activation"]
@@ -106,9 +105,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
         xq, x_sinv, x_amax = _quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
-        wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
-        wq = wq.contiguous()
-        y = fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=a.dtype)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
         ctx.has_g_scale = g_scale is not None
@@ -121,17 +118,20 @@ class ActFp8LinearFunction(torch.autograd.Function):
         spec = ctx.spec
         h, u, x_scale, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
         h_dtype, a_dtype, w_dtype = ctx.dtypes
-        gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", spec.recipe, g_scale[0] if g_scale else None)
-        gq = gq.contiguous()
-        dh = du = dw = carrier_grad = None
-        if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:
-            da = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=a_dtype)
-            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
-        if ctx.needs_input_grad[3]:
+
+        def xq_colmajor():
             # the forward's FP8 operand, recomputed from the saved activation input and scale
             a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
-            xq = cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input"))
-            dw = fp8_gemm(gq.t().contiguous(), _column_major(xq), g_sinv, x_sinv, out_dtype=w_dtype)
+            return _column_major(cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input")))
+
+        need_da = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        da, dw, g_amax = fp8_dgrad_wgrad(grad_y, spec.recipe, wq, w_sinv, x_sinv,
+                                         xq_colmajor if ctx.needs_input_grad[3] else None,
+                                         dx_dtype=a_dtype if need_da else None, dw_dtype=w_dtype,
+                                         g_scale=g_scale[0] if g_scale else None)
+        dh = du = carrier_grad = None
+        if need_da:
+            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
         return None, dh, du, dw, carrier_grad, None, None, None

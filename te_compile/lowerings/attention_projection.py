@@ -22,8 +22,7 @@ import torch
 
 from ..scaling import tensor_amax
 from .fp8_attention import AttentionLowering, AttentionSpec
-from .fp8_linear import _column_major, _quantize_per_tensor, quantize_weight
-from .gemm import fp8_gemm
+from .fp8_linear import _column_major, _quantize_per_tensor, fp8_dgrad_wgrad, fp8_fprop
 from .linear import LinearLowering, _autocast_dtype
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
@@ -55,9 +54,8 @@ class AttentionProjectionFunction(torch.autograd.Function):
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
         xq, x_sinv, x_amax = _quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))
-        wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
-        xq, wq = xq.contiguous(), wq.contiguous()
-        y = fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=o.dtype)
+        xq = xq.contiguous()
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype)
         ctx.spec = spec
         ctx.dtypes = (o.dtype, w_nk.dtype)
         ctx.shape = (b, h, t, d)
@@ -75,12 +73,9 @@ class AttentionProjectionFunction(torch.autograd.Function):
         g_scale = optional.pop(0) if ctx.optional[1] else None
         o_dtype, w_dtype = ctx.dtypes
         b, h, t, d = ctx.shape
-        gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", spec.recipe, g_scale)
-        gq = gq.contiguous()
-        dw = None
-        if ctx.needs_input_grad[10]:
-            dw = fp8_gemm(gq.t().contiguous(), _column_major(xq), g_sinv, x_sinv, out_dtype=w_dtype)
-        dx = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=o_dtype)
+        dx, dw, g_amax = fp8_dgrad_wgrad(grad_y, spec.recipe, wq, w_sinv, x_sinv,
+                                         (lambda: _column_major(xq)) if ctx.needs_input_grad[10] else None,
+                                         dx_dtype=o_dtype, dw_dtype=w_dtype, g_scale=g_scale)
         do = dx.reshape(b, t, h, d).transpose(1, 2).contiguous()
         # O for the attention backward: the projection's FP8 input seen as [B, H, T, D], one descale
         o8 = xq.view(b, t, h, d).transpose(1, 2)

@@ -26,7 +26,8 @@ from ..tensor.quantized_tensor import QuantizedTensor
 from .gemm import fp8_gemm
 from .quantizers import weight_is_operand
 
-__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight"]
+__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight", "fp8_fprop",
+           "fp8_dgrad_wgrad"]
 
 PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
 NO_GROUPS = ((), (), ())
@@ -81,6 +82,36 @@ def _column_major(t: torch.Tensor) -> torch.Tensor:
     return t.t().contiguous().t()
 
 
+def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype):
+    """The forward GEMM of a per-tensor site, its FP8 input made by the caller (from x, a norm, an
+    activation or an attention output): y [M, N] = xq [M, K] @ quantize(w_nk [N, K]).T.
+
+    Returns (y, wq [N, K] contiguous: saved for dgrad, w's scale_inv [1], w's amax [1]). w_scale /
+    w_amax: see ``quantize_weight``."""
+    wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
+    wq = wq.contiguous()
+    return fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype), wq, w_sinv, w_amax
+
+
+def fp8_dgrad_wgrad(grad_y, recipe, wq, w_sinv, x_sinv, x_colmajor, *, dx_dtype, dw_dtype, g_scale=None,
+                    g_amax=None):
+    """The backward GEMMs of a per-tensor site from its saved FP8 operands; grad_y [M, N] is quantized
+    here (E5M2 under HYBRID) with ``g_scale`` (delayed scaling) or its own amax (``g_amax`` when the
+    caller all-reduced it).
+
+    dgrad dx [M, K] = gq @ wq in ``dx_dtype`` (None: not needed); wgrad dw [N, K] = gq.T @ xq in
+    ``dw_dtype``, where ``x_colmajor()`` gives the forward's FP8 input [M, K] column-major (saved,
+    saved transposed or recomputed: the caller's choice; None: no wgrad). Returns (dx, dw, g_amax [1]).
+    """
+    gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", recipe, g_scale, g_amax)
+    gq = gq.contiguous()
+    dx = None if dx_dtype is None else fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype)
+    dw = None
+    if x_colmajor is not None:
+        dw = fp8_gemm(gq.t().contiguous(), x_colmajor(), g_sinv, x_sinv, out_dtype=dw_dtype)
+    return dx, dw, g_amax
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """Per-tensor FP8 (current or delayed scaling). x2d: [M, K], w_nk: [N, K].
 
@@ -104,9 +135,8 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
         xq, x_sinv, x_amax = _quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
-        wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
-        xq, wq = xq.contiguous(), wq.contiguous()
-        y = fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=x2d.dtype)
+        xq = xq.contiguous()
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype)
         ctx.recipe = recipe
         ctx.g_groups = groups[2]
         ctx.dtypes = (x2d.dtype, w_nk.dtype)
@@ -122,14 +152,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         g_amax = tensor_amax(grad_y)
         if not g_scale and ctx.g_groups:
             [g_amax] = reduce_amaxes([g_amax], [ctx.g_groups])
-        gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", ctx.recipe,
-                                                  g_scale[0] if g_scale else None, g_amax)
-        gq = gq.contiguous()
-        dx = dw = carrier_grad = None
-        if ctx.needs_input_grad[0]:
-            dx = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=x_dtype)
-        if ctx.needs_input_grad[1]:
-            dw = fp8_gemm(gq.t().contiguous(), _column_major(xq), g_sinv, x_sinv, out_dtype=w_dtype)
+        dx, dw, g_amax = fp8_dgrad_wgrad(
+            grad_y, ctx.recipe, wq, w_sinv, x_sinv, (lambda: _column_major(xq)) if ctx.needs_input_grad[1] else None,
+            dx_dtype=x_dtype if ctx.needs_input_grad[0] else None, dw_dtype=w_dtype,
+            g_scale=g_scale[0] if g_scale else None, g_amax=g_amax)
+        carrier_grad = None
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
         return dx, dw, None, None, carrier_grad, None, None, None

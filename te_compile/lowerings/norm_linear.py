@@ -27,8 +27,7 @@ import torch
 
 from ..kernels.norm_quantize import NormSpec, norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..recipe import Recipe
-from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, quantize_weight
-from .gemm import fp8_gemm
+from .fp8_linear import current_scale, fp8_dgrad_wgrad, fp8_fprop
 from .linear import _autocast_dtype
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
@@ -76,9 +75,8 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         outputs, saved_w, g_scales = [], [], []
         for i in range(len(spec.consumers)):
             w_nk, _, _, w_scale, g_scale = flat[_PER_CONSUMER * i:_PER_CONSUMER * (i + 1)]
-            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
-            wq = wq.contiguous()
-            outputs.append(fp8_gemm(xq, wq.t(), x_sinv, w_sinv, out_dtype=in_dtype))
+            y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=in_dtype)
+            outputs.append(y)
             saved_w += [wq, w_sinv, w_amax]
             g_scales.append(g_scale)
         if spec.emit_hp:
@@ -104,15 +102,13 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         for i in range(n):
             wq, w_sinv, w_amax = saved_w[3 * i:3 * i + 3]
             g_scale = g_scales[i] if ctx.has_g_scale else None
-            gq, g_sinv, g_amax = _quantize_per_tensor(grads[i], "grad_output", spec.recipe, g_scale)
-            gq = gq.contiguous()
-            # dgrads in fp32, summed once: the consumers' contributions to the norm output's gradient
-            dgrad = fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=torch.float32)
-            dh = dgrad if dh is None else dh + dgrad
             base = 4 + _PER_CONSUMER * i
-            dw = None
-            if need[base]:
-                dw = fp8_gemm(gq.t().contiguous(), xq_t.t(), g_sinv, x_sinv, out_dtype=ctx.dtypes[i])
+            # dgrads in fp32, summed once: the consumers' contributions to the norm output's gradient;
+            # wgrad reads the norm's transposed FP8 copy
+            dgrad, dw, g_amax = fp8_dgrad_wgrad(grads[i], spec.recipe, wq, w_sinv, x_sinv,
+                                                (lambda: xq_t.t()) if need[base] else None,
+                                                dx_dtype=torch.float32, dw_dtype=ctx.dtypes[i], g_scale=g_scale)
+            dh = dgrad if dh is None else dh + dgrad
             carrier_grad = torch.cat([x_amax, w_amax, g_amax]) if need[base + 1] else None
             flat_grads += [dw, carrier_grad, None, None, None]
         dx, dnw, dnb = norm_backward(dh, x2d, norm_w, mean, rstd, spec.norm)
