@@ -117,7 +117,8 @@ def _encode(obj: Any) -> str:
     if isinstance(obj, (tuple, list)):
         return "(" + ",".join(_encode(o) for o in obj) + ")"
     if isinstance(obj, dict):
-        return "{" + ",".join(f"{_encode(k)}:{_encode(v)}" for k, v in sorted(obj.items(), key=str)) + "}"
+        items = sorted((_encode(k), _encode(v)) for k, v in obj.items())   # ordered by the keys' encodings
+        return "{" + ",".join(f"{k}:{v}" for k, v in items) + "}"
     if isinstance(obj, fx.GraphModule):
         return _encode_graph(obj)
     if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
