@@ -36,7 +36,7 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
 
 if HAS_TRITON:
-    __all__ += ["fp32_to_fp8_bits", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
+    __all__ += ["fp32_to_fp8_bits", "round_fp32_to", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
 
     @triton.jit
     def _round_magnitude(a, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
@@ -93,6 +93,19 @@ if HAS_TRITON:
     def round_to_e5m2(v):
         """fp32 value of the saturating RNE e5m2 cast of ``v`` (NaN stays NaN; ±inf saturate)."""
         return _round_value(v, 2, -14, 57344.0)
+
+    @triton.jit
+    def round_fp32_to(v, CODE: tl.constexpr):
+        """``v.to(dtype).float()`` for dtype code 0 (fp32: v), 1 (bf16), 2 (fp16). The interpreter's
+        fp32 -> bf16 conversion truncates; bf16 is rounded here on the fp32 bits instead (nearest
+        even, the GPU's rounding), so both agree with torch. NaN stays NaN."""
+        if CODE == 1:
+            bits = v.to(tl.int32, bitcast=True)
+            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+            v = tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
+        elif CODE == 2:
+            v = v.to(tl.float16).to(tl.float32)
+        return v
 
     @triton.jit
     def fp32_to_e2m1_bits(v):

@@ -195,18 +195,7 @@ if HAS_TRITON:
     import triton.language as tl
 
     from te_compile.kernels._fp_bits import fp32_to_fp8_bits
-
-    @triton.jit
-    def _round(v, CODE: tl.constexpr):
-        """``v.to(dtype).float()`` for dtype code 0 (fp32: v), 1 (bf16), 2 (fp16)."""
-        if CODE == 1:
-            # bf16 round-to-nearest-even on the fp32 bits (exact in the interpreter too); NaN stays NaN
-            bits = v.to(tl.int32, bitcast=True)
-            rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-            v = tl.where(v != v, v, rounded.to(tl.float32, bitcast=True))
-        elif CODE == 2:
-            v = v.to(tl.float16).to(tl.float32)
-        return v
+    from te_compile.kernels._fp_bits import round_fp32_to as _round
 
     @triton.jit
     def _output(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
