@@ -4,7 +4,7 @@
     python benchmarks/gpu_suite.py --device cpu       # tiny shapes, to keep the script working
     python benchmarks/gpu_suite.py --only linear quantize --no-append
 
-Three parts, each provider measured side by side in this one run:
+Four parts, each provider measured side by side in this one run:
 - linear: forward + backward of one bias-free nn.Linear at M = K = N = 4096 and 8192 (CPU: 128), te
   with each recipe vs inductor (bf16 on CUDA, fp32 on CPU) vs torchao float8 tensorwise when it
   imports; TFLOP/s from 6·M·K·N;
@@ -12,7 +12,11 @@ Three parts, each provider measured side by side in this one run:
   2048 tokens; CPU: width 64, 2 x 32), same providers;
 - quantize: te's quantize kernels in GB/s (input read once, outputs written once: the least any kernel
   must move) against the device-to-device copy bandwidth measured here (``y.copy_(x)``, 2 bytes moved
-  per byte copied).
+  per byte copied);
+- epilogue: one FP8 GEMM whose output the next FP8 linear reads, at M = K = N = 4096 and 8192 (CPU:
+  128): torch._scaled_mm then inductor's amax and FP8 cast (what the lowerings run today) vs the
+  Triton GEMM whose epilogue writes the amax and the FP8 bytes (kernels/fp8_gemm.py), and
+  torch._scaled_mm alone; it decides whether the lowerings should call the Triton GEMM.
 
 The goals (issue 17, H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
 (TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
@@ -36,18 +40,20 @@ import bench_block
 import bench_linear
 from te_compile.kernels.float8_block_quantize import float8_block_quantize
 from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose
+from te_compile.kernels.fp8_gemm import fp8_gemm_amax
+from te_compile.lowerings.gemm import fp8_gemm
 from te_compile.kernels.mxfp8_quantize import mxfp8_quantize
 from te_compile.kernels.nvfp4_quantize import nvfp4_quantize
 from te_compile.scaling import cast_to_fp8, compute_scale, tensor_amax
 
-PARTS = ("linear", "block", "quantize")
+PARTS = ("linear", "block", "quantize", "epilogue")
 BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
 E4M3 = torch.float8_e4m3fn
 
 # per device: linear cubes, the GPT block (B, T, C, heads), the quantize input [M, K]
 SHAPES = {
-    "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192)},
-    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512)},
+    "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192), "epilogue": (4096, 8192)},
+    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512), "epilogue": (128,)},
 }
 GOALS = {"linear": 1.7, "block": 1.35, "block_vs_torchao": 1.1, "quantize": 0.85}
 
@@ -129,6 +135,49 @@ def quantize_rows(device, dtype, args) -> tuple[float, list[dict]]:
     return copy_gbs, rows
 
 
+# ---- epilogue: the FP8 GEMM whose output feeds another FP8 linear ------------------------------------
+
+def _unfused_gemm_amax_cast(a, b, sa, sb, out_scale):
+    """Today's lowering: the GEMM in bf16, then its amax and its FP8 copy (inductor fuses these two)."""
+    y = fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16)
+    return cast_to_fp8(y, out_scale, E4M3), tensor_amax(y)
+
+
+def epilogue_rows(device, args) -> list[dict]:
+    rows = []
+    kind = "Triton kernel" if device.type == "cuda" else "reference, eager"
+    for s in SHAPES[device.type]["epilogue"]:
+        gen = torch.Generator(device=device).manual_seed(0)
+        a = torch.randn(s, s, device=device, generator=gen).to(E4M3)
+        b = torch.randn(s, s, device=device, generator=gen).to(E4M3).t()   # column-major, as the linears pass it
+        sa, sb, out_scale = (torch.ones(1, device=device) for _ in range(3))
+        cases = {
+            "torch._scaled_mm (bf16 out), alone": lambda: fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16),
+            "torch._scaled_mm, then amax + FP8 cast (inductor)":
+                lambda f=torch.compile(_unfused_gemm_amax_cast, dynamic=False): f(a, b, sa, sb, out_scale),
+            "Triton GEMM + amax epilogue (bf16 out)": lambda: fp8_gemm_amax(a, b, sa, sb, torch.bfloat16),
+            "Triton GEMM + amax epilogue (FP8 out)":
+                lambda: fp8_gemm_amax(a, b, sa, sb, torch.bfloat16, out_scale, E4M3),
+        }
+        base = None
+        for name, fn in cases.items():
+            try:
+                sec = _common.time_step(fn, device, args.iters, args.warmup)[1]
+            except Exception as e:   # one case failing must not hide the others
+                rows.append({"size": f"{s}^3", "case": name, "ms": None, "TFLOP/s": None, "vs unfused": None,
+                             "note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:100]}"})
+                continue
+            if "then amax" in name:
+                base = sec
+            rows.append({"size": f"{s}^3", "case": name, "ms": sec * 1e3, "TFLOP/s": 2.0 * s ** 3 / sec / 1e12,
+                         "vs unfused": None, "note": kind if "Triton" in name else ""})
+            print(f"  {s}^3  {name:<52} {sec * 1e3:8.3f} ms", flush=True)
+        for r in rows:
+            if r["size"] == f"{s}^3" and r["ms"] and base:
+                r["vs unfused"] = base * 1e3 / r["ms"]
+    return rows
+
+
 # ---- summary and BENCHMARKS.md -------------------------------------------------------------------------
 
 def _ratio(rows, size: str, provider: str, base: str = "inductor") -> Optional[float]:
@@ -157,6 +206,11 @@ def goal_lines(device, results) -> list[str]:
         for r in rows:
             share = "n/a" if r["of copy"] is None else f"{100 * r['of copy']:.0f}%"
             out.append(f"quantize {r['kernel']}: {share} of copy bandwidth (goal >= {100 * GOALS['quantize']:.0f}%)")
+    if "epilogue" in results:
+        for r in results["epilogue"]:
+            if r["case"] == "Triton GEMM + amax epilogue (FP8 out)" and r["vs unfused"] is not None:
+                out.append(f"FP8 GEMM + amax epilogue at {r['size']}: {r['vs unfused']:.2f}x the unfused path "
+                           f"(> 1: wire it into the lowerings)")
     return out
 
 
@@ -188,6 +242,9 @@ def report(device, args, results) -> str:
         m, k = SHAPES[device.type]["quantize"]
         lines += [f"quantize {m}x{k} (copy bandwidth {copy_gbs:.1f} GB/s):",
                   tabulate(rows, headers="keys", floatfmt=".2f", missingval="-"), ""]
+    if "epilogue" in results:
+        lines += ["FP8 GEMM feeding an FP8 linear (output in bf16 or FP8, with its amax):",
+                  tabulate(results["epilogue"], headers="keys", floatfmt=".2f", missingval="-"), ""]
     lines += ["goals:"] + [f"- {g}" for g in goal_lines(device, results)]
     return "\n".join(lines)
 
@@ -226,6 +283,9 @@ def main() -> None:
     if "quantize" in args.only:
         print("quantize:", flush=True)
         results["quantize"] = quantize_rows(device, dtype, args)
+    if "epilogue" in args.only:
+        print("FP8 GEMM epilogue:", flush=True)
+        results["epilogue"] = epilogue_rows(device, args)
     text = report(device, args, results)
     print("\n" + text)
     if args.append or (device.type == "cuda" and not args.no_append):
