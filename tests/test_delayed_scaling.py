@@ -12,6 +12,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import te_compile
+from te_compile.recipe import DelayedScaling
 from te_compile.scaling import FLT_MAX
 from utils import AotGraphs, assert_bitwise_equal, assert_sqnr_at_least, count_calls, sqnr
 
@@ -360,3 +361,39 @@ def test_dynamic_shapes_never_make_the_state_dynamic(compiler):
         compiled(torch.randn(2, t, 32)).sum().backward()
     assert counters["stats"]["unique_graphs"] == 1
     assert te_compile.recipe_state_dict(model)["fc.input.amax_history"].count_nonzero() == 3
+
+
+def _update_calls(gm: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The multi-tensor state updates of a (functionalized) backward graph."""
+    op = torch.ops.te_compile.delayed_scaling_update.default
+    return [n for n in gm.graph.nodes if n.op == "call_function"
+            and (n.target is op or (n.target is torch.ops.higher_order.auto_functionalized_v2 and n.args[0] is op))]
+
+
+def _two_steps(options, monkeypatch):
+    torch._dynamo.reset()
+    graphs = AotGraphs().install(monkeypatch)
+    torch.manual_seed(0)
+    model = MLP()
+    compiled = torch.compile(model, backend="te", options=options)
+    for scale in (1.0, 3.0):
+        compiled(torch.randn(8, 32) * scale).sum().backward()
+    return te_compile.recipe_state_dict(model), graphs.backward
+
+
+def test_one_multi_tensor_update_per_graph_and_the_callable_rule_agrees(monkeypatch):
+    """All roles of all linears advance in one op call; a recipe with a user callable (which the op
+    cannot run) is updated role by role, and "max" as a callable gives the same state bits."""
+    state, backward = _two_steps(OPTIONS, monkeypatch)
+    [graph] = backward
+    [call] = _update_calls(graph)
+    # fc and proj, three roles each; E5M2's maximum for the gradients (HYBRID)
+    assert call.kwargs["_histories_length"] == 6, graph.code
+    assert call.kwargs["limits"] == [E4M3_MAX, E4M3_MAX, E5M2_MAX] * 2, graph.code
+
+    recipe = DelayedScaling(amax_history_len=HISTORY, amax_compute_algo=lambda h: h.amax())
+    callable_state, backward = _two_steps({"recipe": recipe, "compiler": "aot_eager"}, monkeypatch)
+    assert not _update_calls(backward[0])
+    assert sorted(callable_state) == sorted(state)
+    for key, value in state.items():
+        assert_bitwise_equal(callable_state[key], value, key)

@@ -36,7 +36,8 @@ import torch
 
 from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
-from ..scaling import delayed_scale_from_history, update_amax_history
+from ..kernels.delayed_update import delayed_scaling_update_op
+from ..scaling import delayed_scale_from_history, fp8_max, update_amax_history
 from ..state import FORMAT_ROLES, STATE_ROLES
 
 __all__ = ["DelayedScalingUpdate", "UpdateSpec", "ROLES", "update_role_state"]
@@ -112,13 +113,39 @@ class _AmaxCarriers(torch.autograd.Function):
             combined.append(torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0])
         if spec.groups:
             combined = reduce_amaxes(combined, [spec.groups[j] for j in weights])
-        offsets = spec.state_offsets()
-        for j, amax in zip(weights, combined):
-            recipe = spec.recipes[j]
-            tensors = state[offsets[j]:offsets[j + 1]]
-            for r, role in enumerate(spec.roles_of(j)):
-                update_role_state(tensors[2 * r], tensors[2 * r + 1], amax[r:r + 1], role, recipe)
+        _update_states(spec, state, weights, combined)
         return (None, None) + (None,) * len(state)
+
+
+def _batchable(recipe: DelayedScaling) -> bool:
+    """Whether the recipe's update is the multi-tensor kernel's rule (no user callables)."""
+    return recipe.amax_compute_algo in ("max", "most_recent") and recipe.scaling_factor_compute_algo is None
+
+
+def _update_states(spec: UpdateSpec, state, weights: list[int], combined: list[torch.Tensor]) -> None:
+    """Fold ``combined[i]`` (amaxes [roles]) into the state of ``weights[i]``, in place.
+
+    Rows with the same history length and window algorithm go to one call of the multi-tensor op
+    (kernels/delayed_update.py), whatever their number: one node in the graph, one launch on a GPU,
+    instead of a few kernels per role. Recipes with user callables are updated role by role.
+    """
+    offsets = spec.state_offsets()
+    groups: dict[tuple[int, bool], list] = {}   # (L, most_recent) -> rows (history, scale, amax, limit, divisor)
+    for j, amax in zip(weights, combined):
+        recipe = spec.recipes[j]
+        tensors = state[offsets[j]:offsets[j + 1]]
+        for r, role in enumerate(spec.roles_of(j)):
+            history, scale = tensors[2 * r], tensors[2 * r + 1]
+            if not _batchable(recipe):
+                update_role_state(history, scale, amax[r:r + 1], role, recipe)
+                continue
+            limit = fp8_max(recipe.fp8_format.dtype_for(FORMAT_ROLES.get(role, role)))
+            key = (history.shape[0], recipe.amax_compute_algo == "most_recent")
+            groups.setdefault(key, []).append((history, scale, amax[r:r + 1], limit, float(2 ** recipe.margin)))
+    for (_, most_recent), rows in groups.items():
+        histories, scales, amaxes, limits, divisors = zip(*rows)
+        delayed_scaling_update_op(list(histories), list(scales), torch.cat(amaxes).to(torch.float32),
+                                  list(limits), list(divisors), most_recent)
 
 
 class DelayedScalingUpdate:

@@ -1,0 +1,193 @@
+"""The delayed-scaling state update of a whole graph in one launch (issue 17).
+
+Once per step and graph, lowerings/delayed_update.py pushes each role's amax into its history and
+computes the next scale: per row r (a role of a weight or an SDPA site)
+
+    amax'      = amax[r] if finite else 0
+    history[r] = [amax', history[r][:-1]]               fp32 [L], most recent first, in place
+    a          = max(history[r])  ("max")  |  amax'  ("most_recent")
+    scale[r]   = limit[r] / a / divisor[r], inf -> FLT_MAX;  kept as it was if a <= 0 or a is not
+                 finite, or if amax[r] was not finite                  fp32 [1], in place
+
+where limit is the row's FP8 maximum (448 for E4M3, 57344 for E5M2) and divisor 2**margin. These are
+the bits of ``delayed_update.update_role_state`` row by row (tests/test_kernel_delayed_update.py).
+Traced row by row, the update is a few kernels per role: three roles per linear, ~50 tiny kernels for
+a 4-layer GPT, which inductor must generate and compile (compile time) and a GPU must launch.
+
+Three functions with one signature (lists of the rows' history and scale tensors, updated in place):
+``delayed_update_reference`` (plain torch, the rows stacked: a handful of ops whatever their number),
+``delayed_update_triton`` (one launch of ``_delayed_update_kernel``, one program per row; CPU
+tensors run under ``TRITON_INTERPRET=1``) and ``delayed_update`` (the kernel for CUDA tensors, the
+reference elsewhere). The rows live in separate buffers (each weight's state is its own graph input),
+so the kernel reads their addresses from a table; the table is kept per set of addresses, which stay
+fixed from step to step (module buffers), so CUDA-graph replays launch with no host-to-device copy.
+Because the kernel reads raw addresses it cannot be a ``triton_op`` (inductor would have to trace the
+table); the custom op ``te_compile::delayed_scaling_update`` wraps the dispatcher instead, opaque to
+inductor, mutating its list arguments, so a compiled graph calls it once per group of rows.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from ._fp_bits import HAS_TRITON
+from ._launch import require_triton
+from ..scaling import FLT_MAX
+
+__all__ = ["delayed_update", "delayed_update_reference", "delayed_update_triton", "delayed_scaling_update_op"]
+
+# elements of a history per loop iteration of the kernel (histories are 1024 by default: one pass)
+_BLOCK_L = 1024
+
+
+def _check_args(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
+                limits: Sequence[float], divisors: Sequence[float]) -> None:
+    s = len(histories)
+    if not (len(scales) == len(limits) == len(divisors) == s) or amaxes.shape != (s,):
+        raise ValueError(f"one scale, amax, limit and divisor per history: {s} histories, {len(scales)} scales, "
+                         f"amaxes {tuple(amaxes.shape)}, {len(limits)} limits, {len(divisors)} divisors")
+    if s == 0:
+        return
+    length, device = histories[0].shape, histories[0].device
+    for h, sc in zip(histories, scales):
+        if h.dtype != torch.float32 or h.dim() != 1 or h.shape != length or not h.is_contiguous() or h.device != device:
+            raise ValueError(f"histories must be contiguous fp32 [L] tensors of one length on one device, got "
+                             f"{h.dtype} {tuple(h.shape)} on {h.device} beside {tuple(length)} on {device}")
+        if sc.dtype != torch.float32 or sc.numel() != 1 or sc.device != device:
+            raise ValueError(f"scales must be one-element fp32 tensors on {device}, got {sc.dtype} "
+                             f"{tuple(sc.shape)} on {sc.device}")
+    if amaxes.dtype != torch.float32 or amaxes.device != device:
+        raise ValueError(f"amaxes must be fp32 on {device}, got {amaxes.dtype} on {amaxes.device}")
+
+
+def delayed_update_reference(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
+                             limits: Sequence[float], divisors: Sequence[float], most_recent: bool) -> None:
+    """Update S rows in place: histories S x fp32 [L], scales S x fp32 [1], amaxes fp32 [S] (this step's),
+    limits / divisors S floats (the format's maximum, 2**margin), most_recent: the window's algorithm."""
+    _check_args(histories, scales, amaxes, limits, divisors)
+    if not histories:
+        return
+    device = amaxes.device
+    finite = torch.isfinite(amaxes)
+    new_history = torch.cat([torch.where(finite, amaxes, torch.zeros_like(amaxes))[:, None],
+                             torch.stack(list(histories))[:, :-1]], dim=1)       # [S, L]
+    window = new_history[:, 0] if most_recent else new_history.amax(dim=1)      # [S]
+    # scaling._scale_from_amax's operations, row-wise: true divisions (torch.div of two tensors)
+    scale = torch.div(torch.tensor(list(limits), dtype=torch.float32, device=device), window)
+    scale = torch.div(scale, torch.tensor(list(divisors), dtype=torch.float32, device=device))
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    prev = torch.cat([sc.reshape(1) for sc in scales])
+    scale = torch.where((window <= 0) | ~torch.isfinite(window), prev, scale)
+    scale = torch.where(finite, scale, prev)
+    torch._foreach_copy_(list(histories), list(new_history.unbind(0)))
+    torch._foreach_copy_(list(scales), [s.reshape(sc.shape) for s, sc in zip(scale.unbind(0), scales)])
+
+
+if HAS_TRITON:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def _delayed_update_kernel(
+        history_ptrs,  # [S] int64: address of row r's history, fp32 [L] contiguous, updated in place
+        scale_ptrs,  # [S] int64: address of row r's scale, fp32 [1], updated in place
+        amax_ptr,  # [S] fp32: this step's amax per row
+        limit_ptr,  # [S] fp32: the row's FP8 maximum
+        divisor_ptr,  # [S] fp32: 2**margin
+        L,  # history length (>= 1)
+        MOST_RECENT: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        hist = tl.load(history_ptrs + row).to(tl.pointer_type(tl.float32))
+        scale_ptr = tl.load(scale_ptrs + row).to(tl.pointer_type(tl.float32))
+        amax = tl.load(amax_ptr + row)
+        finite = (amax == amax) & (tl.abs(amax) != float("inf"))
+        first = tl.where(finite, amax, 0.0)
+        acc = tl.full([BLOCK_L], float("-inf"), tl.float32)
+        nan = tl.zeros([BLOCK_L], tl.int32)
+        # The roll, in place: new[i] = old[i - 1], new[0] = first. Chunks run from the last one down,
+        # so no chunk reads what another wrote (chunk c writes [c*B, c*B + B), chunk c - 1 reads below
+        # c*B - 1); within a chunk, the barrier keeps every thread's load before any thread's store.
+        n_chunks = tl.cdiv(L, BLOCK_L)
+        for i in range(0, n_chunks):
+            idx = (n_chunks - 1 - i) * BLOCK_L + tl.arange(0, BLOCK_L)
+            inside = idx < L
+            old = tl.load(hist + idx - 1, mask=inside & (idx >= 1), other=0.0)
+            new = tl.where(idx == 0, first, old)
+            tl.debug_barrier()
+            tl.store(hist + idx, new, mask=inside)
+            # GPU max-reductions may drop NaNs (torch.amax keeps them): count them apart
+            nan += tl.where(inside & (new != new), 1, 0)
+            acc = tl.maximum(acc, tl.where(inside & (new == new), new, float("-inf")))
+        if MOST_RECENT:
+            window = first
+        else:
+            window = tl.where(tl.max(nan) > 0, float("nan"), tl.max(acc))
+        # div_rn: the correctly rounded division of torch.div ('/' is approximate on GPUs)
+        scale = tl.div_rn(tl.load(limit_ptr + row), window)
+        scale = tl.div_rn(scale, tl.load(divisor_ptr + row))
+        scale = tl.where(tl.abs(scale) == float("inf"), 3.4028234663852886e38, scale)
+        prev = tl.load(scale_ptr)
+        keep = (window <= 0) | (window != window) | (tl.abs(window) == float("inf")) | ~finite
+        tl.store(scale_ptr, tl.where(keep, prev, scale))
+
+
+# (device, addresses, limits, divisors) -> the kernel's tables on that device; kept so that a step
+# (and a CUDA-graph replay, which cannot copy from the host) finds them already there
+_TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _tables(histories, scales, limits, divisors) -> tuple[torch.Tensor, ...]:
+    device = histories[0].device
+    key = (str(device), tuple(h.data_ptr() for h in histories), tuple(s.data_ptr() for s in scales),
+           tuple(limits), tuple(divisors))
+    tables = _TABLES.get(key)
+    if tables is None:
+        if len(_TABLES) > 256:   # state rebuilt many times over (tests, sweeps): drop the old tables
+            _TABLES.clear()
+        tables = (torch.tensor(key[1], dtype=torch.int64, device=device),
+                  torch.tensor(key[2], dtype=torch.int64, device=device),
+                  torch.tensor(key[3], dtype=torch.float32, device=device),
+                  torch.tensor(key[4], dtype=torch.float32, device=device))
+        _TABLES[key] = tables
+    return tables
+
+
+def delayed_update_triton(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
+                          limits: Sequence[float], divisors: Sequence[float], most_recent: bool) -> None:
+    """Launch ``_delayed_update_kernel`` once over all rows; same contract as the reference."""
+    require_triton("delayed_update_triton")
+    _check_args(histories, scales, amaxes, limits, divisors)
+    if not histories:
+        return
+    history_ptrs, scale_ptrs, limit_t, divisor_t = _tables(histories, scales, limits, divisors)
+    _delayed_update_kernel[(len(histories),)](
+        history_ptrs, scale_ptrs, amaxes.contiguous(), limit_t, divisor_t, histories[0].shape[0],
+        MOST_RECENT=bool(most_recent), BLOCK_L=_BLOCK_L, num_warps=4)
+
+
+def delayed_update(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
+                   limits: Sequence[float], divisors: Sequence[float], most_recent: bool) -> None:
+    """The update of S rows in place: the Triton kernel for CUDA tensors, the reference elsewhere."""
+    if HAS_TRITON and amaxes.is_cuda:
+        delayed_update_triton(histories, scales, amaxes, limits, divisors, most_recent)
+    else:
+        delayed_update_reference(histories, scales, amaxes, limits, divisors, most_recent)
+
+
+@torch.library.custom_op("te_compile::delayed_scaling_update", mutates_args=("histories", "scales"))
+def _delayed_scaling_update_op(histories: list[torch.Tensor], scales: list[torch.Tensor], amaxes: torch.Tensor,
+                               limits: list[float], divisors: list[float], most_recent: bool) -> None:
+    delayed_update(histories, scales, amaxes, limits, divisors, most_recent)
+
+
+@_delayed_scaling_update_op.register_fake
+def _(histories, scales, amaxes, limits, divisors, most_recent) -> None:
+    return None
+
+
+# what graphs call: (histories, scales, amaxes, limits, divisors, most_recent) -> None, in place
+delayed_scaling_update_op = torch.ops.te_compile.delayed_scaling_update.default
