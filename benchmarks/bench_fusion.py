@@ -65,15 +65,19 @@ class _ForwardGraphs:
     def __init__(self) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
 
-    def compile_fx(self, gm, example_inputs, **kwargs):
+    def compile_fx(self, gm, example_inputs, inner_compile=None, **kwargs):
         from torch._inductor.compile_fx import compile_fx_inner
 
-        def inner_compile(g, ex, **kw):
-            if not kw.get("is_backward", False):
-                self.graphs.append(g)
-            return compile_fx_inner(g, ex, **kw)
+        inner = inner_compile or compile_fx_inner
 
-        return self._original(gm, example_inputs, inner_compile=inner_compile, **kwargs)
+        # compile_fx calls itself (through this patch) when given config patches, with its inner
+        # compiler wrapped: a graph can pass twice, and is recorded once
+        def recording(g, ex, **kw):
+            if not kw.get("is_backward", False) and not any(r is g for r in self.graphs):
+                self.graphs.append(g)
+            return inner(g, ex, **kw)
+
+        return self._original(gm, example_inputs, inner_compile=recording, **kwargs)
 
     def __enter__(self):
         import torch._inductor.compile_fx as cfx
