@@ -2,6 +2,7 @@
 
     python benchmarks/compile_time.py                                  # Float8CurrentScaling, DelayedScaling
     python benchmarks/compile_time.py --recipes Float8BlockScaling NVFP4BlockScaling --model tiny
+    python benchmarks/compile_time.py --repeat 3                       # medians of 3 rounds
 
 Each figure comes from a fresh Python process (compiled code, Dynamo and AOTAutograd keep in-process
 state). "cold" runs against an empty ``TORCHINDUCTOR_CACHE_DIR`` made for that provider; "warm" runs
@@ -9,7 +10,9 @@ the same command again against the cache the cold run left, as a second launch o
 would. The first step is the ``torch.compile`` call, then forward, backward and an AdamW step on the demo's
 model and batch; import time is measured apart. The AOTAutograd column shows whether the warm run reused the
 traced forward and backward (hit) or traced them again (miss: a key changed; bypass: the graph was
-refused), from ``torch._dynamo.utils.counters["aot_autograd"]``.
+refused), from ``torch._dynamo.utils.counters["aot_autograd"]``. With ``--repeat N`` the providers
+take turns N times (each round's cold run on a new cache) and the table shows medians and ranges: on
+a shared machine a single figure moves by 10-20%.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -82,6 +86,7 @@ def main() -> None:
     parser.add_argument("--model", choices=("small", "tiny"), default="small",
                         help="the demo's model (small, the default) or its one-layer test model (tiny)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
+    parser.add_argument("--repeat", type=int, default=1, help="rounds over the providers; medians are shown")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--provider", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -96,23 +101,33 @@ def main() -> None:
     import torch
     from tabulate import tabulate
 
-    results = {}
+    results: dict[str, list] = {}   # label -> [(cold, warm) per round]
     with tempfile.TemporaryDirectory(prefix="te_compile_time_") as root:
-        for provider in ("inductor", *args.recipes):
-            cache = os.path.join(root, provider)
-            label = "inductor" if provider == "inductor" else f"te {provider}"
-            print(f"{label}: cold ...", end="", flush=True)
-            cold = _run_child(provider, cache, args)
-            print(f" {cold['first_step_s']:.1f} s; warm ...", end="", flush=True)
-            warm = _run_child(provider, cache, args)
-            print(f" {warm['first_step_s']:.1f} s", flush=True)
-            results[label] = (cold, warm)
-    base_cold, base_warm = (r["first_step_s"] for r in results["inductor"])
-    rows = [(label, f"{cold['first_step_s']:.1f}", f"{cold['first_step_s'] / base_cold:.2f}x",
-             f"{warm['first_step_s']:.1f}", f"{warm['first_step_s'] / base_warm:.2f}x",
-             _aot(warm["aot"]), f"{warm['import_s']:.1f}")
-            for label, (cold, warm) in results.items()]
-    print(f"\nfirst training step (compile included), demo model '{args.model}', {args.device}, "
+        for round_ in range(args.repeat):
+            for provider in ("inductor", *args.recipes):
+                cache = os.path.join(root, f"{provider}-{round_}")
+                label = "inductor" if provider == "inductor" else f"te {provider}"
+                print(f"{label}: cold ...", end="", flush=True)
+                cold = _run_child(provider, cache, args)
+                print(f" {cold['first_step_s']:.1f} s; warm ...", end="", flush=True)
+                warm = _run_child(provider, cache, args)
+                print(f" {warm['first_step_s']:.1f} s", flush=True)
+                results.setdefault(label, []).append((cold, warm))
+
+    def median(label, i):
+        return statistics.median(r[i]["first_step_s"] for r in results[label])
+
+    def cell(label, i):
+        values = [r[i]["first_step_s"] for r in results[label]]
+        spread = f" ({min(values):.1f}-{max(values):.1f})" if len(values) > 1 else ""
+        return f"{median(label, i):.1f}{spread}"
+
+    rows = [(label, cell(label, 0), f"{median(label, 0) / median('inductor', 0):.2f}x",
+             cell(label, 1), f"{median(label, 1) / median('inductor', 1):.2f}x",
+             _aot(runs[-1][1]["aot"]), f"{statistics.median(r[1]['import_s'] for r in runs):.1f}")
+            for label, runs in results.items()]
+    what = "medians of {} rounds, ".format(args.repeat) if args.repeat > 1 else ""
+    print(f"\nfirst training step (compile included), demo model '{args.model}', {args.device}, {what}"
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(tabulate(rows, headers=["provider", "cold s", "vs inductor", "warm s", "vs inductor",
                                   "warm AOTAutograd cache", "import s"], disable_numparse=True))
