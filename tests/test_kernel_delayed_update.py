@@ -10,7 +10,13 @@ import pytest
 import torch
 
 from te_compile.kernels._fp_bits import HAS_TRITON
-from te_compile.kernels.delayed_update import delayed_update, delayed_update_reference, delayed_update_triton
+from te_compile.kernels import delayed_update as module
+from te_compile.kernels.delayed_update import (
+    delayed_update,
+    delayed_update_reference,
+    delayed_update_triton,
+    kernel_self_test,
+)
 from te_compile.lowerings.delayed_update import update_role_state
 from te_compile.recipe import DelayedScaling
 from te_compile.scaling import fp8_max
@@ -45,7 +51,8 @@ def _rows(n, length, s=0, device="cpu"):
 
 
 def _recipes():
-    return [DelayedScaling(amax_history_len=16, margin=m, amax_compute_algo=a) for m in (0, 2) for a in ("max", "most_recent")]
+    return [DelayedScaling(amax_history_len=16, margin=m, amax_compute_algo=a)
+            for m in (0, 2) for a in ("max", "most_recent")]
 
 
 @pytest.mark.parametrize("recipe", _recipes(), ids=lambda r: f"margin{r.margin}-{r.amax_compute_algo}")
@@ -143,3 +150,27 @@ def test_dispatcher_on_cuda_equals_reference():
     for r in range(12):
         assert_bitwise_equal(got_h[r].cpu(), ref_h[r])
         assert_bitwise_equal(got_s[r].cpu(), ref_s[r])
+
+
+@needs_triton
+def test_self_test_passes_in_the_interpreter_and_fails_closed(monkeypatch, caplog):
+    """The guard in front of the CUDA launch: the kernel passes it (here in the interpreter); a kernel
+    that raises or returns other bits fails it with a warning, and the dispatcher then uses the
+    reference."""
+    monkeypatch.setattr(module, "_SELF_TESTS", {})
+    assert kernel_self_test(torch.device("cpu")) == (True, "bit for bit equal to the reference")
+
+    def raises(*args):
+        raise RuntimeError("PTX assembly failed")
+
+    def off_by_one_ulp(histories, scales, *args):
+        delayed_update_reference(histories, scales, *args)
+        scales[3].copy_(torch.nextafter(scales[3], torch.full_like(scales[3], float("inf"))))
+
+    for broken, why in ((raises, "RuntimeError: PTX assembly failed"), (off_by_one_ulp, "row 3")):
+        monkeypatch.setattr(module, "_SELF_TESTS", {})
+        monkeypatch.setattr(module, "delayed_update_triton", broken)
+        caplog.clear()
+        ok, reason = kernel_self_test(torch.device("cpu"))
+        assert not ok and why in reason
+        assert "update kernel is off on cpu" in caplog.text and why in caplog.text

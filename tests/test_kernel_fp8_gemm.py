@@ -49,7 +49,8 @@ def test_kernel_equals_reference_on_exact_sums(shape, dtypes, out):
     if out in ("fp32", "bf16"):
         kwargs = dict(out_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}[out])
     else:   # y in bf16, written as FP8 with a scale that saturates some values
-        kwargs = dict(out_dtype=torch.bfloat16, out_scale=torch.tensor([300.0]), out_fp8_dtype={"e4m3": E4M3, "e5m2": E5M2}[out])
+        kwargs = dict(out_dtype=torch.bfloat16, out_scale=torch.tensor([300.0]),
+                      out_fp8_dtype={"e4m3": E4M3, "e5m2": E5M2}[out])
     got = fp8_gemm_amax_triton(a, b, sa, sb, **kwargs)
     ref = fp8_gemm_amax_reference(a, b, sa, sb, **kwargs)
     for g, r, what in zip(got, ref, ("out", "amax")):
@@ -93,7 +94,8 @@ def test_kernel_nan_and_empty():
 
 def test_dispatch_and_errors():
     a, b, sa, sb = _operands(8, 32, 16)
-    for got, ref in zip(fp8_gemm_amax(a, b, sa, sb, torch.float32), fp8_gemm_amax_reference(a, b, sa, sb, torch.float32)):
+    for got, ref in zip(fp8_gemm_amax(a, b, sa, sb, torch.float32),
+                        fp8_gemm_amax_reference(a, b, sa, sb, torch.float32)):
         assert_bitwise_equal(got, ref)
     with pytest.raises(ValueError, match="disagree on K"):
         fp8_gemm_amax(a, b[:16], sa, sb, torch.float32)

@@ -18,9 +18,11 @@ Three functions with one signature (lists of the rows' history and scale tensors
 ``delayed_update_reference`` (plain torch, the rows stacked: a handful of ops whatever their number),
 ``delayed_update_triton`` (one launch of ``_delayed_update_kernel``, one program per row; CPU
 tensors run under ``TRITON_INTERPRET=1``) and ``delayed_update`` (the kernel for CUDA tensors, the
-reference elsewhere). The rows live in separate buffers (each weight's state is its own graph input),
-so the kernel reads their addresses from a table; the table is kept per set of addresses, which stay
-fixed from step to step (module buffers), so CUDA-graph replays launch with no host-to-device copy.
+reference elsewhere; on each CUDA device the kernel must first pass ``kernel_self_test``, bit for
+bit, or the reference runs there). The rows live in separate buffers (each weight's state is its own
+graph input), so the kernel reads their addresses from a table; the table is kept per set of
+addresses, which stay fixed from step to step (module buffers), so CUDA-graph replays launch with no
+host-to-device copy.
 Because the kernel reads raw addresses it cannot be a ``triton_op`` (inductor would have to trace the
 table); the custom op ``te_compile::delayed_scaling_update`` wraps the dispatcher instead, opaque to
 inductor, mutating its list arguments, so a compiled graph calls it once per group of rows.
@@ -28,6 +30,7 @@ inductor, mutating its list arguments, so a compiled graph calls it once per gro
 
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import torch
@@ -36,7 +39,10 @@ from ._fp_bits import HAS_TRITON
 from ._launch import require_triton
 from ..scaling import FLT_MAX
 
-__all__ = ["delayed_update", "delayed_update_reference", "delayed_update_triton", "delayed_scaling_update_op"]
+log = logging.getLogger(__name__)
+
+__all__ = ["delayed_update", "delayed_update_reference", "delayed_update_triton", "delayed_scaling_update_op",
+           "kernel_self_test"]
 
 # elements of a history per loop iteration of the kernel (histories are 1024 by default: one pass)
 _BLOCK_L = 1024
@@ -169,10 +175,55 @@ def delayed_update_triton(histories: Sequence[torch.Tensor], scales: Sequence[to
         MOST_RECENT=bool(most_recent), BLOCK_L=_BLOCK_L, num_warps=4)
 
 
+_SELF_TESTS: dict[str, tuple[bool, str]] = {}
+
+
+def kernel_self_test(device: torch.device) -> tuple[bool, str]:
+    """(ok, why): does the kernel give the reference's bits on ``device``? Run once per device, eagerly,
+    on rows that exercise every rule (the edge amaxes, a fresh state, a history of two chunks, both
+    window algorithms). The state of every weight depends on this kernel, so a kernel that fails to
+    compile or disagrees must not reach a model: ``delayed_update`` then runs the reference and a
+    logged warning says why."""
+    key = str(device)
+    if key not in _SELF_TESTS:
+        _SELF_TESTS[key] = _self_test(torch.device(device))
+        if not _SELF_TESTS[key][0]:
+            log.warning("te_compile: the delayed-scaling update kernel is off on %s, the plain-torch update "
+                        "runs instead: %s", key, _SELF_TESTS[key][1])
+    return _SELF_TESTS[key]
+
+
+def _self_test(device: torch.device) -> tuple[bool, str]:
+    if not HAS_TRITON:
+        return False, "triton is not installed"
+    edges = [3.5, 0.0, float("nan"), float("inf"), 1e-40, 3e38, 1e-3, 7e4]
+    gen = torch.Generator().manual_seed(0)
+    try:
+        with torch.no_grad():
+            for length, most_recent in ((1500, False), (4, True), (1, False)):
+                rows = len(edges) * 2   # the edges on a history of noise, then on a fresh (zero) one
+                hist = [torch.rand(length, generator=gen) * (r < len(edges)) for r in range(rows)]
+                scale = [torch.rand(1, generator=gen) * 100 + 0.5 for _ in range(rows)]
+                amaxes = torch.tensor(edges * 2, dtype=torch.float32)
+                limits = [(448.0, 57344.0)[r % 2] for r in range(rows)]
+                divisors = [(1.0, 4.0)[r % 2] for r in range(rows)]
+                got_h, got_s = [h.to(device, copy=True) for h in hist], [t.to(device, copy=True) for t in scale]
+                delayed_update_triton(got_h, got_s, amaxes.to(device), limits, divisors, most_recent)
+                delayed_update_reference(hist, scale, amaxes, limits, divisors, most_recent)
+                for r in range(rows):
+                    if not (torch.equal(got_h[r].cpu().view(torch.int32), hist[r].view(torch.int32))
+                            and torch.equal(got_s[r].cpu().view(torch.int32), scale[r].view(torch.int32))):
+                        return False, f"row {r} (history length {length}) differs from the reference"
+    except Exception as e:   # a compile or launch failure on this device
+        return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return True, "bit for bit equal to the reference"
+
+
 def delayed_update(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
                    limits: Sequence[float], divisors: Sequence[float], most_recent: bool) -> None:
-    """The update of S rows in place: the Triton kernel for CUDA tensors, the reference elsewhere."""
-    if HAS_TRITON and amaxes.is_cuda:
+    """The update of S rows in place: the Triton kernel for CUDA tensors once it has passed its
+    self-test on that device, the reference elsewhere."""
+    if HAS_TRITON and amaxes.is_cuda and kernel_self_test(amaxes.device)[0]:
         delayed_update_triton(histories, scales, amaxes, limits, divisors, most_recent)
     else:
         delayed_update_reference(histories, scales, amaxes, limits, divisors, most_recent)
