@@ -4,7 +4,7 @@
     python benchmarks/gpu_suite.py --device cpu       # tiny shapes, to keep the script working
     python benchmarks/gpu_suite.py --only linear quantize --no-append
 
-Four parts, each provider measured side by side in this one run:
+Five parts, each provider measured side by side in this one run:
 - linear: forward + backward of one bias-free nn.Linear at M = K = N = 4096 and 8192 (CPU: 128), te
   with each recipe vs inductor (bf16 on CUDA, fp32 on CPU) vs torchao float8 tensorwise when it
   imports; TFLOP/s from 6·M·K·N;
@@ -16,11 +16,16 @@ Four parts, each provider measured side by side in this one run:
 - epilogue: one FP8 GEMM whose output the next FP8 linear reads, at M = K = N = 4096 and 8192 (CPU:
   128): torch._scaled_mm then inductor's amax and FP8 cast (what the lowerings run today) vs the
   Triton GEMM whose epilogue writes the amax and the FP8 bytes (kernels/fp8_gemm.py), and
-  torch._scaled_mm alone; it decides whether the lowerings should call the Triton GEMM.
+  torch._scaled_mm alone; it decides whether the lowerings should call the Triton GEMM;
+- norm: RMSNorm fused with per-tensor FP8 quantization (issue 15) at 4096 x 16384 bf16 (CPU: 256 x
+  512): te's kernels (a stats pass, then one pass writing the rowwise and transposed FP8 bytes) under
+  current and delayed scaling vs inductor's RMSNorm alone and inductor's RMSNorm-then-quantize.
 
 The goals (issue 17, H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
 (TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
-quantize ≥ 85% of copy bandwidth. On CUDA the tables are appended to BENCHMARKS.md with the date, the
+quantize ≥ 85% of copy bandwidth; the fused RMSNorm + quantize forward ≤ 1.1× RMSNorm alone under
+delayed scaling, ≤ 1.6× under current scaling (Liger's RMSNorm: 0.095 ms published at that shape)
+and ≥ 1.3× faster than RMSNorm-then-quantize. On CUDA the tables are appended to BENCHMARKS.md with the date, the
 device and the torch / Triton / CUDA versions (``--no-append`` to skip; on CPU only with ``--append``).
 """
 
@@ -43,19 +48,22 @@ from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose
 from te_compile.kernels.fp8_gemm import fp8_gemm_amax
 from te_compile.lowerings.gemm import fp8_gemm
 from te_compile.kernels.mxfp8_quantize import mxfp8_quantize
+from te_compile.kernels.norm_quantize import NormSpec, norm_quantize, norm_stats
 from te_compile.kernels.nvfp4_quantize import nvfp4_quantize
 from te_compile.scaling import cast_to_fp8, compute_scale, tensor_amax
 
-PARTS = ("linear", "block", "quantize", "epilogue")
+PARTS = ("linear", "block", "quantize", "epilogue", "norm")
 BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
 E4M3 = torch.float8_e4m3fn
 
 # per device: linear cubes, the GPT block (B, T, C, heads), the quantize input [M, K]
 SHAPES = {
-    "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192), "epilogue": (4096, 8192)},
-    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512), "epilogue": (128,)},
+    "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192), "epilogue": (4096, 8192),
+             "norm": (4096, 16384)},
+    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512), "epilogue": (128,), "norm": (256, 512)},
 }
-GOALS = {"linear": 1.7, "block": 1.35, "block_vs_torchao": 1.1, "quantize": 0.85}
+GOALS = {"linear": 1.7, "block": 1.35, "block_vs_torchao": 1.1, "quantize": 0.85,
+         "norm_delayed": 1.1, "norm_current": 1.6, "norm_vs_unfused": 1.3}
 
 
 # ---- linear and block: the providers of bench_linear.py / bench_block.py ---------------------------------
@@ -178,6 +186,77 @@ def epilogue_rows(device, args) -> list[dict]:
     return rows
 
 
+# ---- norm: RMSNorm + per-tensor FP8 quantization (issue 15) -------------------------------------------
+
+_EPS = 1e-6
+
+
+def _rms_norm(x, w):
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), w, _EPS)
+
+
+def _rms_norm_then_quantize(x, w, scale):
+    """The unfused path: the norm's output in x's dtype, then its amax and both FP8 layouts; ``scale``
+    None: current scaling (the scale from this amax), else delayed scaling's."""
+    h = _rms_norm(x, w)
+    amax = tensor_amax(h)
+    s = compute_scale(amax, E4M3) if scale is None else scale
+    return cast_to_fp8(h, s, E4M3), cast_to_fp8(h.t(), s, E4M3).contiguous(), amax
+
+
+def _fused(x, w, spec, scale):
+    """te's kernels: the stats pass (mean, rstd, the output's amax), then one pass writing both layouts."""
+    mean, rstd, amax = norm_stats(x, w, None, spec)
+    s = compute_scale(amax, E4M3) if scale is None else scale
+    return norm_quantize(x, w, None, mean, rstd, s, spec, E4M3), amax
+
+
+def norm_rows(device, dtype, args) -> list[dict]:
+    m, k = SHAPES[device.type]["norm"]
+    gen = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(m, k, device=device, dtype=dtype, generator=gen)
+    w = torch.rand(k, device=device, dtype=dtype, generator=gen) + 0.5
+    scale = torch.ones(1, device=device)
+    spec = NormSpec("rms_norm", _EPS, prod_dtype=dtype)
+    kind = "Triton kernels" if device.type == "cuda" else "references, eager"
+    compiled = {name: torch.compile(fn, dynamic=False) for name, fn in
+                (("norm", _rms_norm), ("unfused", _rms_norm_then_quantize))}
+    cases = {
+        "RMSNorm alone (inductor)": lambda: compiled["norm"](x, w),
+        "RMSNorm then quantize, current scaling (inductor)": lambda: compiled["unfused"](x, w, None),
+        "RMSNorm then quantize, delayed scaling (inductor)": lambda: compiled["unfused"](x, w, scale),
+        "fused RMSNorm + quantize, current scaling (te)": lambda: _fused(x, w, spec, None),
+        "fused RMSNorm + quantize, delayed scaling (te)": lambda: _fused(x, w, spec, scale),
+    }
+    rows = []
+    for name, fn in cases.items():
+        try:
+            sec = _common.time_step(fn, device, args.iters, args.warmup)[1]
+        except Exception as e:   # one case failing must not hide the others
+            rows.append({"case": name, "ms": None, "note": f"failed: {type(e).__name__}: "
+                                                            f"{str(e).splitlines()[0][:100]}"})
+            continue
+        rows.append({"case": name, "ms": sec * 1e3, "note": kind if "(te)" in name else ""})
+        print(f"  {m}x{k}  {name:<52} {sec * 1e3:8.3f} ms", flush=True)
+    return rows
+
+
+def _norm_goals(rows) -> list[str]:
+    ms = {r["case"]: r["ms"] for r in rows}
+    alone = ms.get("RMSNorm alone (inductor)")
+    out = []
+    for recipe, goal in (("delayed", GOALS["norm_delayed"]), ("current", GOALS["norm_current"])):
+        fused = ms.get(f"fused RMSNorm + quantize, {recipe} scaling (te)")
+        unfused = ms.get(f"RMSNorm then quantize, {recipe} scaling (inductor)")
+        if fused and alone:
+            out.append(f"fused RMSNorm + quantize, {recipe} scaling: {fused / alone:.2f}x RMSNorm alone "
+                       f"(goal <= {goal}x)")
+        if fused and unfused:
+            out.append(f"fused RMSNorm + quantize, {recipe} scaling: {unfused / fused:.2f}x faster than "
+                       f"RMSNorm then quantize (goal >= {GOALS['norm_vs_unfused']}x)")
+    return out
+
+
 # ---- summary and BENCHMARKS.md -------------------------------------------------------------------------
 
 def _ratio(rows, size: str, provider: str, base: str = "inductor") -> Optional[float]:
@@ -211,6 +290,8 @@ def goal_lines(device, results) -> list[str]:
             if r["case"] == "Triton GEMM + amax epilogue (FP8 out)" and r["vs unfused"] is not None:
                 out.append(f"FP8 GEMM + amax epilogue at {r['size']}: {r['vs unfused']:.2f}x the unfused path "
                            f"(> 1: wire it into the lowerings)")
+    if "norm" in results:
+        out += _norm_goals(results["norm"])
     return out
 
 
@@ -245,6 +326,11 @@ def report(device, args, results) -> str:
     if "epilogue" in results:
         lines += ["FP8 GEMM feeding an FP8 linear (output in bf16 or FP8, with its amax):",
                   tabulate(results["epilogue"], headers="keys", floatfmt=".2f", missingval="-"), ""]
+    if "norm" in results:
+        m, k = SHAPES[device.type]["norm"]
+        lines += [f"RMSNorm + per-tensor FP8 quantize, forward, {m}x{k} (Liger's RMSNorm alone: 0.095 ms "
+                  f"published on an H100 at 4096x16384 bf16):",
+                  tabulate(results["norm"], headers="keys", floatfmt=".3f", missingval="-"), ""]
     lines += ["goals:"] + [f"- {g}" for g in goal_lines(device, results)]
     return "\n".join(lines)
 
@@ -286,6 +372,9 @@ def main() -> None:
     if "epilogue" in args.only:
         print("FP8 GEMM epilogue:", flush=True)
         results["epilogue"] = epilogue_rows(device, args)
+    if "norm" in args.only:
+        print("RMSNorm + quantize:", flush=True)
+        results["norm"] = norm_rows(device, dtype, args)
     text = report(device, args, results)
     print("\n" + text)
     if args.append or (device.type == "cuda" and not args.no_append):
