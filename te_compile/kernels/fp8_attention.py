@@ -369,9 +369,14 @@ if HAS_TRITON:
 
     @triton.jit
     def _to_grad_fp8(x, GRAD_E4M3: tl.constexpr):
+        # one return: after a return inside a constexpr if the compiler still types the code below
+        # it, and two returns of different FP8 types fail to compile for a GPU (the interpreter
+        # accepts them; tests/test_kernels_compile.py compiles every kernel for sm90)
         if GRAD_E4M3:
-            return round_to_e4m3(x).to(tl.float8e4nv)
-        return round_to_e5m2(x).to(tl.float8e5)
+            out = round_to_e4m3(x).to(tl.float8e4nv)
+        else:
+            out = round_to_e5m2(x).to(tl.float8e5)
+        return out
 
     @triton.jit
     def _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS: tl.constexpr, GRAD_E4M3: tl.constexpr):

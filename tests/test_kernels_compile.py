@@ -1,0 +1,184 @@
+"""Every Triton kernel compiles for a Hopper GPU (sm90), here, without one: the kernel tests run the
+kernels in Triton's interpreter, which accepts code the GPU compiler rejects (it found a kernel
+returning two FP8 types from one function). Triton's NVIDIA backend ships ptxas, so a kernel can be
+compiled to a cubin on a CPU-only machine.
+
+How: each launcher runs once per variant on tiny CPU inputs in the interpreter, and a hook records
+what reached the kernel (argument dtypes become the signature; constexpr values and launch options
+are kept). A subprocess without ``TRITON_INTERPRET`` then compiles each recorded launch with
+``triton.compile`` for sm90 (the interpreter's ``@triton.jit`` objects cannot be compiled)."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from te_compile.kernels._fp_bits import HAS_TRITON
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
+
+
+def _ptxas_available() -> bool:
+    if not HAS_TRITON:
+        return False
+    import triton
+
+    bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    return os.path.exists(os.path.join(bin_dir, "ptxas")) or shutil.which("ptxas") is not None
+
+
+needs_ptxas = pytest.mark.skipif(not _ptxas_available(), reason="needs triton with its NVIDIA backend (ptxas)")
+
+_TL_TYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.uint8: "u8",
+             torch.int8: "i8", torch.int32: "i32", torch.int64: "i64", torch.float8_e4m3fn: "fp8e4nv",
+             torch.float8_e5m2: "fp8e5", torch.bool: "i1"}
+
+
+def _constexpr_names(fn) -> set[str]:
+    return {n for n, p in inspect.signature(fn).parameters.items() if "constexpr" in str(p.annotation)}
+
+
+def _record_launches(monkeypatch) -> list[dict]:
+    """Run every launcher's variants in the interpreter; return the distinct launches."""
+    from triton.runtime.interpreter import GridExecutor
+
+    seen: dict[str, dict] = {}
+    original = GridExecutor.__call__
+
+    def record(self, *args, **kwargs):
+        fn = getattr(self.fn, "fn", self.fn)
+        constexprs = _constexpr_names(fn)
+        values = dict(zip(self.arg_names, args))
+        values.update({k: v for k, v in kwargs.items() if k in self.arg_names})
+        signature, consts = {}, {}
+        for name in self.arg_names:
+            v = values.get(name)
+            if isinstance(v, torch.Tensor):
+                signature[name] = "*" + _TL_TYPES[v.dtype]
+            elif name in constexprs or v is None:
+                signature[name], consts[name] = "constexpr", v
+            elif isinstance(v, bool) or not isinstance(v, (int, float)):
+                raise AssertionError(f"{fn.__name__}.{name}: a runtime argument of type {type(v).__name__}")
+            else:
+                signature[name] = "fp32" if isinstance(v, float) else ("i64" if abs(v) >= 2**31 else "i32")
+        options = {k: v for k, v in kwargs.items() if k in ("num_warps", "num_stages")}
+        launch = {"module": fn.__module__, "name": fn.__name__, "signature": signature, "constexprs": consts,
+                  "options": options}
+        seen[json.dumps(launch, sort_keys=True, default=str)] = launch
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GridExecutor, "__call__", record)
+    for call in _variants():
+        call()
+    return list(seen.values())
+
+
+def _variants():
+    """One call per kernel variant worth compiling: dtypes, formats and flags that change the code."""
+    from te_compile.kernels import fp8_attention as att
+    from te_compile.kernels.delayed_update import delayed_update_triton
+    from te_compile.kernels.float8_block_quantize import float8_block_quantize_triton
+    from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose_triton
+    from te_compile.kernels.fp8_gemm import fp8_gemm_amax_triton
+    from te_compile.kernels.mxfp8_quantize import mxfp8_quantize_triton
+    from te_compile.kernels.norm_quantize import NormSpec, norm_backward_triton, norm_quantize_triton, norm_stats_triton
+    from te_compile.kernels.nvfp4_quantize import nvfp4_quantize_triton
+
+    e4m3, e5m2, bf16 = torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    x32 = torch.randn(64, 128, generator=g)
+    one = torch.ones(1)
+    calls = []
+    for dtype in (torch.float32, bf16):
+        for fp8 in (e4m3, e5m2):
+            calls.append(lambda d=dtype, f=fp8: fp8_cast_transpose_triton(x32.to(d), one, f))
+        calls.append(lambda d=dtype: mxfp8_quantize_triton(x32.to(d), e4m3))
+        calls.append(lambda d=dtype: float8_block_quantize_triton(x32.to(d), e4m3, tile_rows=1, force_pow_2_scales=True,
+                                                                  amax_epsilon=0.0))
+        calls.append(lambda d=dtype: float8_block_quantize_triton(x32.to(d), e5m2, tile_rows=128,
+                                                                  force_pow_2_scales=False, amax_epsilon=1e-6))
+        calls.append(lambda d=dtype: nvfp4_quantize_triton(x32.to(d), x32.abs().amax().reshape(1), tile_rows=1,
+                                                           rand=None))
+    calls.append(lambda: nvfp4_quantize_triton(x32, x32.abs().amax().reshape(1), tile_rows=16,
+                                               rand=torch.rand(64, 128, generator=g)))
+    a, b = x32[:32, :64].to(e4m3), x32[:, :64].to(e4m3).t()
+    for a_, out, out_scale, fp8 in ((a, torch.float32, None, None), (a.float().to(e5m2), bf16, None, None),
+                                    (a, bf16, one, e4m3), (a, torch.float16, one, e5m2)):
+        calls.append(lambda a_=a_, o=out, s=out_scale, f=fp8: fp8_gemm_amax_triton(a_, b, one, one, o, s, f))
+    for most_recent in (False, True):
+        calls.append(lambda m=most_recent: delayed_update_triton([torch.zeros(8)], [torch.ones(1)], one, [448.0],
+                                                                 [1.0], m))
+    w, bias = torch.rand(128, generator=g) + 0.5, torch.randn(128, generator=g)
+    for spec, wb, fp8 in ((NormSpec("layer_norm", 1e-5), (w, bias), e4m3),
+                          (NormSpec("rms_norm", 1e-6, zero_centered=True, pre_dtype=bf16, prod_dtype=bf16,
+                                    casts=(torch.float32,)), (w, None), e5m2),
+                          (NormSpec("rms_norm", 1e-6), (None, None), e4m3)):
+        def norm(spec=spec, wb=wb, fp8=fp8):
+            mean, rstd, _ = norm_stats_triton(x32, *wb, spec)
+            norm_quantize_triton(x32, *wb, mean, rstd, one, spec, fp8)
+            norm_backward_triton(torch.randn(64, 128, generator=g), x32, wb[0], mean, rstd, spec)
+        calls.append(norm)
+    q = torch.randn(1, 2, 32, 64, generator=g)
+    q8, qd = att.quantize_heads(q)
+    kv8, kvd = att.quantize_heads(q[:, :1])                 # GQA: one key/value head for two query heads
+    masks = (None, torch.rand(32, 32, generator=g) > 0.3, torch.randn(1, 2, 32, 32, generator=g))
+    for causal, mask in ((True, None), (False, masks[1]), (False, masks[2])):
+        def attention(causal=causal, mask=mask):
+            o, lse = att.fp8_attention_forward_triton(q8, kv8, kv8, qd, kvd, kvd, sm_scale=0.125, causal=causal,
+                                                      mask=mask, out_dtype=bf16)
+            do = torch.randn(1, 2, 32, 64, generator=g)
+            for fp8_grads, grad in ((False, e5m2), (True, e5m2), (True, e4m3)):
+                att.fp8_attention_backward_triton(do, q8, kv8, kv8, qd, kvd, kvd, o.float(), lse, sm_scale=0.125,
+                                                  causal=causal, mask=mask, fp8_grads=fp8_grads, grad_dtype=grad)
+        calls.append(attention)
+    return calls
+
+
+_COMPILE = textwrap.dedent("""
+    import importlib, json, os, sys
+    os.environ.pop("TRITON_INTERPRET", None)
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    failures = []
+    for launch in json.load(open(sys.argv[1])):
+        fn = getattr(importlib.import_module(launch["module"]), launch["name"])
+        try:
+            triton.compile(ASTSource(fn, launch["signature"], constexprs=launch["constexprs"]),
+                           target=GPUTarget("cuda", int(sys.argv[2]), 32), options=launch["options"])
+        except Exception as e:
+            cause = e
+            while cause.__cause__ is not None or cause.__context__ is not None:
+                cause = cause.__cause__ or cause.__context__
+            failures.append(f"{launch['name']} {launch['constexprs']}: {type(cause).__name__}: {cause}"[:800])
+    print(json.dumps(failures))
+""")
+
+
+@needs_ptxas
+def test_every_kernel_compiles_for_sm90(monkeypatch, tmp_path):
+    launches = _record_launches(monkeypatch)
+    names = {launch["name"] for launch in launches}
+    kernels = {"_fp8_cast_transpose_kernel", "_fp8_gemm_amax_kernel", "_delayed_update_kernel",
+               "_mxfp8_quantize_kernel", "_float8_block_quantize_kernel", "_nvfp4_quantize_kernel", "_norm_stats_kernel",
+               "_norm_quantize_kernel", "_norm_backward_kernel", "_fp8_attention_fwd_kernel",
+               "_fp8_attention_bwd_dkdv_kernel", "_fp8_attention_bwd_dq_kernel"}
+    assert names == kernels, names ^ kernels   # a new kernel must get a variant in _variants()
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(launches, default=str))
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _COMPILE, str(path), "90"], capture_output=True, text=True,
+                          env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not failures, (f"{len(failures)} of {len(launches)} launches fail to compile for sm90:\n"
+                          + "\n".join(failures))
