@@ -169,8 +169,8 @@ def test_every_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     launches = _record_launches(monkeypatch)
     names = {launch["name"] for launch in launches}
     kernels = {"_fp8_cast_transpose_kernel", "_fp8_gemm_amax_kernel", "_delayed_update_kernel",
-               "_mxfp8_quantize_kernel", "_float8_block_quantize_kernel", "_nvfp4_quantize_kernel", "_norm_stats_kernel",
-               "_norm_quantize_kernel", "_norm_backward_kernel", "_fp8_attention_fwd_kernel",
+               "_mxfp8_quantize_kernel", "_float8_block_quantize_kernel", "_nvfp4_quantize_kernel",
+               "_norm_stats_kernel", "_norm_quantize_kernel", "_norm_backward_kernel", "_fp8_attention_fwd_kernel",
                "_fp8_attention_bwd_dkdv_kernel", "_fp8_attention_bwd_dq_kernel"}
     assert names == kernels, names ^ kernels   # a new kernel must get a variant in _variants()
     path = tmp_path / "launches.json"
