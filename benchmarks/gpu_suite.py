@@ -23,10 +23,11 @@ Five parts, each provider measured side by side in this one run:
 
 The goals (issue 17, H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
 (TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
-quantize ≥ 85% of copy bandwidth; the fused RMSNorm + quantize forward ≤ 1.1× RMSNorm alone under
-delayed scaling, ≤ 1.6× under current scaling (Liger's RMSNorm: 0.095 ms published at that shape)
-and ≥ 1.3× faster than RMSNorm-then-quantize. On CUDA the tables are appended to BENCHMARKS.md with the date, the
-device and the torch / Triton / CUDA versions (``--no-append`` to skip; on CPU only with ``--append``).
+quantize ≥ 85% of copy bandwidth; and (issue 15) the fused RMSNorm + quantize forward ≤ 1.1× RMSNorm
+alone under delayed scaling, ≤ 1.6× under current scaling (Liger's RMSNorm: 0.095 ms published at
+that shape) and ≥ 1.3× faster than RMSNorm-then-quantize. On CUDA the tables are appended to
+BENCHMARKS.md with the date, the device and the torch / Triton / CUDA versions (``--no-append`` to
+skip; on CPU only with ``--append``).
 """
 
 from __future__ import annotations
