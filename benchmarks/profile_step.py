@@ -61,10 +61,10 @@ def main() -> None:
     device = _common.resolve_device(args)
     dtype = _common.baseline_dtype(device)
     b, t, c = SHAPES[device.type]
-    if args.recipe == "inductor":
-        prepare = lambda m: torch.compile(m, dynamic=False)  # noqa: E731
-    else:
-        prepare = lambda m: torch.compile(m, backend=te_compile.backend(recipe=args.recipe), dynamic=False)  # noqa: E731
+    backend = "inductor" if args.recipe == "inductor" else te_compile.backend(recipe=args.recipe)
+
+    def prepare(model):
+        return torch.compile(model, backend=backend, dynamic=False)
     step = bench_block._builder(b, t, c, 1, device, dtype)(prepare)
     for _ in range(max(2, args.warmup)):   # compile, and a step with the state already advanced
         step()
