@@ -1,7 +1,9 @@
 """Every Triton kernel compiles for a Hopper GPU (sm90), here, without one: the kernel tests run the
 kernels in Triton's interpreter, which accepts code the GPU compiler rejects (it found a kernel
 returning two FP8 types from one function). Triton's NVIDIA backend ships ptxas, so a kernel can be
-compiled to a cubin on a CPU-only machine.
+compiled to a cubin on a CPU-only machine. The PTX also shows what the interpreter cannot: where
+ptxas would fuse a multiply and an add into one FMA, one rounding where the torch reference has two;
+the kernels that must equal their references bit for bit may only hold exact ones.
 
 How: each launcher runs once per variant on tiny CPU inputs in the interpreter, and a hook records
 what reached the kernel (argument dtypes become the signature; constexpr values and launch options
@@ -149,19 +151,38 @@ _COMPILE = textwrap.dedent("""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
-    failures = []
+    import re
+    failures, fused = [], []
     for launch in json.load(open(sys.argv[1])):
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
         try:
-            triton.compile(ASTSource(fn, launch["signature"], constexprs=launch["constexprs"]),
-                           target=GPUTarget("cuda", int(sys.argv[2]), 32), options=launch["options"])
+            kernel = triton.compile(ASTSource(fn, launch["signature"], constexprs=launch["constexprs"]),
+                                    target=GPUTarget("cuda", int(sys.argv[2]), 32), options=launch["options"])
         except Exception as e:
             cause = e
             while cause.__cause__ is not None or cause.__context__ is not None:
                 cause = cause.__cause__ or cause.__context__
             failures.append(f"{launch['name']} {launch['constexprs']}: {type(cause).__name__}: {cause}"[:800])
-    print(json.dumps(failures))
+            continue
+        # FMAs that may round differently from a multiply then an add: all but the FP8 rounding's
+        # fma(a, 2^k, 2^23) (addend 0f4B000000, a power-of-two multiplier made from bits) and
+        # those multiplying by an immediate power of two (exact products)
+        def exact(operands):
+            _, a, b, c = [o.strip() for o in operands.split(",")]
+            pow2 = [int(o[2:], 16) for o in (a, b) if o.startswith("0f")]
+            return c == "0f4B000000" or any(v & 0x7FFFFF == 0 and 0 < (v >> 23) & 0xFF < 255 for v in pow2)
+        fmas = re.findall(r"fma\.rn\.f32\s+([^;]+);", kernel.asm["ptx"])
+        inexact = [f for f in fmas if not exact(f)]
+        if inexact:
+            fused.append(f"{launch['name']} {launch['constexprs']}: {len(inexact)} FMAs, e.g. {inexact[0]}")
+    print(json.dumps({"failures": failures, "fused": fused}))
 """)
+
+# kernels that must give their references' bits: ptxas may not contract a product with an add in them
+# (one rounding where torch rounds twice), except the exact one inside the FP8 rounding
+_BITWISE = ("_fp8_cast_transpose_kernel", "_fp8_gemm_amax_kernel", "_delayed_update_kernel",
+            "_mxfp8_quantize_kernel", "_float8_block_quantize_kernel", "_nvfp4_quantize_kernel",
+            "_norm_quantize_kernel")
 
 
 @needs_ptxas
@@ -179,6 +200,10 @@ def test_every_kernel_compiles_for_sm90(monkeypatch, tmp_path):
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(path), "90"], capture_output=True, text=True,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    failures = json.loads(proc.stdout.strip().splitlines()[-1])
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    failures = result["failures"]
     assert not failures, (f"{len(failures)} of {len(launches)} launches fail to compile for sm90:\n"
                           + "\n".join(failures))
+    # the bit-exact kernels keep every rounding torch does (the others agree to fp32 rounding)
+    fused = [f for f in result["fused"] if f.split()[0] in _BITWISE]
+    assert not fused, "value-changing FMA contraction in a bit-exact kernel:\n" + "\n".join(fused)

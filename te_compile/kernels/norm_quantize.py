@@ -194,7 +194,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from te_compile.kernels._fp_bits import fp32_to_fp8_bits
+    from te_compile.kernels._fp_bits import fp32_to_fp8_bits, mul_rn
     from te_compile.kernels._fp_bits import round_fp32_to as _round
 
     @triton.jit
@@ -206,7 +206,8 @@ if HAS_TRITON:
         if HAS_W:
             if ZERO_CENTERED:
                 w = w + 1.0
-            h = h * w
+            # rounded before the bias is added, as torch does (a GPU would fuse h * w + b into one FMA)
+            h = mul_rn(h, w) if HAS_B else h * w
         if HAS_B:
             h = h + b
         return _round(_round(_round(_round(h, PROD), C0), C1), C2)
