@@ -114,6 +114,9 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, kernel
         [scale.detach().to(torch.float32).reshape(1).contiguous()],
         block_m=_BLOCK_M,
         block_k=_BLOCK_K,
+        # 8 warps: with 4, sm90 ptxas gives a 64x64 tile 254 registers per thread (one block per SM
+        # for a bandwidth-bound kernel); with 8, 124-150 (BENCHMARKS.md "GPU", static figures)
+        num_warps=8,
         IS_E4M3=fp8_dtype == torch.float8_e4m3fn,
     )
     # empty x: no launch, and the amax of nothing is 0 (tensor_amax's rule)
