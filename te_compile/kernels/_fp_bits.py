@@ -13,8 +13,6 @@ share the quantum of the smallest normal binade, which the clamp of the exponent
 
 from __future__ import annotations
 
-import os
-
 try:
     import triton
     import triton.language as tl
@@ -38,7 +36,7 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
 
 if HAS_TRITON:
-    __all__ += ["fp32_to_fp8_bits", "mul_rn", "round_fp32_to", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits",
+    __all__ += ["fp32_to_fp8_bits", "mul_rn", "nan_abs_max", "round_fp32_to", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits",
                 "e2m1_bits_to_fp32"]
 
     @triton.jit
@@ -97,11 +95,9 @@ if HAS_TRITON:
         """fp32 value of the saturating RNE e5m2 cast of ``v`` (NaN stays NaN; ±inf saturate)."""
         return _round_value(v, 2, -14, 57344.0)
 
-    # Triton decides at decoration time whether kernels run in its interpreter (knobs.runtime.interpret,
-    # from TRITON_INTERPRET); mul_rn picks its body the same way.
-    _INTERPRETED = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-    if _INTERPRETED:
+    # Triton decides at decoration time, from this knob (TRITON_INTERPRET), whether kernels run in its
+    # interpreter; mul_rn picks its body from the same knob at the same moment.
+    if triton.knobs.runtime.interpret:
         @triton.jit
         def mul_rn(a, b):
             """a * b rounded to fp32 (the interpreter never fuses it with a later add)."""
@@ -114,6 +110,14 @@ if HAS_TRITON:
             rounded PTX multiply is never fused."""
             return tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32,
                                              is_pure=True, pack=1)
+
+    @triton.jit
+    def nan_abs_max(v, mask):
+        """max |v| over a tile's ``mask``ed elements (0 when none), NaN if one of them is NaN: GPU
+        max-reductions may drop NaNs (torch.amax keeps them), so they are counted apart."""
+        has_nan = tl.max(tl.where(mask & (v != v), 1, 0))
+        tile_max = tl.max(tl.where(mask & (v == v), tl.abs(v), 0.0))
+        return tl.where(has_nan > 0, float("nan"), tile_max)
 
     @triton.jit
     def round_fp32_to(v, CODE: tl.constexpr):

@@ -65,7 +65,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._fp_bits import fp32_to_fp8_bits
+    from ._fp_bits import fp32_to_fp8_bits, nan_abs_max
 
     @triton.jit
     def _fp8_cast_transpose_kernel(
@@ -93,11 +93,7 @@ if HAS_TRITON:
         tl.store(data_ptr + rows[:, None] * K + cols[None, :], q, mask=mask)
         # the transposed tile, stored along M (consecutive rows of x are consecutive bytes of data_t)
         tl.store(data_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(q), mask=tl.trans(mask))
-        # GPU max-reductions may drop NaNs: count them apart and make the tile max NaN if any
-        has_nan = tl.max(tl.where(mask & (x != x), 1, 0))
-        tile_max = tl.max(tl.where(x != x, 0.0, tl.abs(x)))
-        tile_max = tl.where(has_nan > 0, float("nan"), tile_max)
-        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, tile_max)
+        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_k, nan_abs_max(x, mask))
 
 
 def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, kernel):

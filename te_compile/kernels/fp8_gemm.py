@@ -83,7 +83,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._fp_bits import fp32_to_fp8_bits, round_fp32_to
+    from ._fp_bits import fp32_to_fp8_bits, nan_abs_max, round_fp32_to
 
     @triton.jit
     def _fp8_gemm_amax_kernel(
@@ -119,11 +119,7 @@ if HAS_TRITON:
         s = tl.load(a_scale_inv_ptr) * tl.load(b_scale_inv_ptr)
         y32 = round_fp32_to(acc * s, OUT_KIND)   # y's value, rounded to out_dtype (RNE)
         mask = (rows[:, None] < M) & (cols[None, :] < N)
-        # GPU max-reductions may drop NaNs: count them apart and make the tile max NaN if any
-        has_nan = tl.max(tl.where(mask & (y32 != y32), 1, 0))
-        tile_max = tl.max(tl.where(mask & (y32 == y32), tl.abs(y32), 0.0))
-        tile_max = tl.where(has_nan > 0, float("nan"), tile_max)
-        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_n, tile_max)
+        tl.store(partial_ptr + pid_m * tl.num_programs(1) + pid_n, nan_abs_max(y32, mask))
         offsets = rows[:, None] * N + cols[None, :]
         if FP8_OUT:
             q = fp32_to_fp8_bits(y32 * tl.load(out_scale_ptr), OUT_E4M3).to(tl.uint8)
