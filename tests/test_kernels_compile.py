@@ -152,6 +152,15 @@ _COMPILE = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import re
+
+    # an FMA that rounds as a multiply then an add would: the FP8 rounding's fma(a, 2^k, 2^23)
+    # (addend 0f4B000000, a power-of-two multiplier made from bits), or a product with an
+    # immediate power of two
+    def exact(operands):
+        _, a, b, c = [o.strip() for o in operands.split(",")]
+        pow2 = [int(o[2:], 16) for o in (a, b) if o.startswith("0f")]
+        return c == "0f4B000000" or any(v & 0x7FFFFF == 0 and 0 < (v >> 23) & 0xFF < 255 for v in pow2)
+
     failures, fused = [], []
     for launch in json.load(open(sys.argv[1])):
         fn = getattr(importlib.import_module(launch["module"]), launch["name"])
@@ -164,13 +173,6 @@ _COMPILE = textwrap.dedent("""
                 cause = cause.__cause__ or cause.__context__
             failures.append(f"{launch['name']} {launch['constexprs']}: {type(cause).__name__}: {cause}"[:800])
             continue
-        # FMAs that may round differently from a multiply then an add: all but the FP8 rounding's
-        # fma(a, 2^k, 2^23) (addend 0f4B000000, a power-of-two multiplier made from bits) and
-        # those multiplying by an immediate power of two (exact products)
-        def exact(operands):
-            _, a, b, c = [o.strip() for o in operands.split(",")]
-            pow2 = [int(o[2:], 16) for o in (a, b) if o.startswith("0f")]
-            return c == "0f4B000000" or any(v & 0x7FFFFF == 0 and 0 < (v >> 23) & 0xFF < 255 for v in pow2)
         fmas = re.findall(r"fma\.rn\.f32\s+([^;]+);", kernel.asm["ptx"])
         inexact = [f for f in fmas if not exact(f)]
         if inexact:
