@@ -134,14 +134,14 @@ def _launch(a, b, a_scale_inv, b_scale_inv, out_dtype, out_scale, out_fp8_dtype,
     m, k = a.shape
     n = b.shape[1]
     block_m, block_n, block_k, num_warps, num_stages = _CUDA_TILES if a.is_cuda else _INTERPRETER_TILES
-    grid = (max(1, -(-m // block_m)), max(1, -(-n // block_n)))
     fp8_out = out_scale is not None
     out = torch.empty((m, n), dtype=torch.uint8 if fp8_out else out_dtype, device=a.device)
-    partial = torch.empty(grid, dtype=torch.float32, device=a.device)
     if m == 0 or n == 0:   # nothing to write, and the amax of nothing is 0 (tensor_amax's rule)
         return out, torch.zeros(1, dtype=torch.float32, device=a.device)
     if k == 0:             # no products: y is all zeros (a launch would skip its K loop, but keep it simple)
         return fp8_gemm_amax_reference(a, b, a_scale_inv, b_scale_inv, out_dtype, out_scale, out_fp8_dtype)
+    grid = (-(-m // block_m), -(-n // block_n))
+    partial = torch.empty(grid, dtype=torch.float32, device=a.device)   # each tile's max |y|
     f32 = [t.detach().to(torch.float32).reshape(1).contiguous() for t in (a_scale_inv, b_scale_inv)]
     out_scale_t = f32[0] if out_scale is None else out_scale.detach().to(torch.float32).reshape(1).contiguous()
     kernel[grid](
