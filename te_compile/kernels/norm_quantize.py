@@ -206,8 +206,8 @@ if HAS_TRITON:
         if HAS_W:
             if ZERO_CENTERED:
                 w = w + 1.0
-            # rounded before the bias is added, as torch does (a GPU would fuse h * w + b into one FMA)
-            h = mul_rn(h, w) if HAS_B else h * w
+            # rounded before any bias is added, as torch does (a GPU would fuse h * w + b into one FMA)
+            h = mul_rn(h, w)
         if HAS_B:
             h = h + b
         return _round(_round(_round(_round(h, PROD), C0), C1), C2)
