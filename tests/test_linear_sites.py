@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 import torch.nn as nn
@@ -169,6 +171,35 @@ def test_root_level_call_on_a_submodule_weight_is_named_after_its_module():
     torch.compile(Root(), backend="te", options=OPTIONS)(torch.randint(0, 64, (B, T)))
     [site] = te_compile.report().sites
     assert site.fqn == "embed" and site.rewritten and site.shapes == "x[2, 8, 32] w[64, 32]", site
+
+
+def _wrapped(forward):
+    """A decorator as transformers >= 5.24 puts on its models' forward: Dynamo then compiles
+    ``wrapper``, whose frame holds the model as ``args[0]``."""
+    @functools.wraps(forward)
+    def wrapper(*args, **kwargs):
+        return forward(*args, **kwargs)
+
+    return wrapper
+
+
+def test_a_model_whose_forward_a_decorator_wraps_keeps_its_names():
+    class Wrapped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(K, K), nn.ReLU(), nn.Linear(K, N))
+
+        @_wrapped
+        def forward(self, x):
+            return self.model(x)
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    overrides = [{"modules": "model.2", "recipe": "none"}]
+    torch.compile(Wrapped(), backend="te", options={**OPTIONS, "overrides": overrides})(torch.randn(B, K))
+    report = te_compile.report()
+    assert {s.fqn: s.rewritten for s in report.sites if s.op == "linear"} == {"model.0": True, "model.2": False}, \
+        str(report)
 
 
 def test_linears_in_bodies_of_other_higher_order_ops_are_reported_not_rewritten():

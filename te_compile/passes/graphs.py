@@ -24,7 +24,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from .naming import frame_prefix
+from .naming import frame_root
 
 __all__ = ["ParamRef", "GraphScope", "graph_scopes"]
 
@@ -63,6 +63,9 @@ class GraphScope:
     # module path of the compiled frame's root in the user's model ("blocks.0." when Dynamo compiled
     # one block on its own; naming.py), prepended to every module path Dynamo records
     prefix: str = ""
+    # what the frame puts before every module path of the model ("0." when the model is the frame's
+    # ``args[0]``: a decorator's wrapper was compiled; naming.frame_root), dropped by fqn()
+    root: str = ""
     _lifted: dict[fx.Node, fx.Node] = field(default_factory=dict)
     _positions: dict[fx.Node, int] = field(default_factory=dict)   # node -> index before any pass
 
@@ -102,6 +105,8 @@ class GraphScope:
 
     def fqn(self, path: str) -> str:
         """The model's name for a module Dynamo calls ``path`` in this frame ("" for the frame root)."""
+        if self.root and (path + ".").startswith(self.root):
+            path = path[len(self.root):]
         return f"{self.prefix}{path}" if path else self.prefix.rstrip(".")
 
     def placeholders(self) -> list[fx.Node]:
@@ -169,13 +174,13 @@ def _child_scopes(scope: GraphScope) -> Iterator[GraphScope]:
             operands = node.args[index + 1:]
             placeholders = list(body.graph.find_nodes(op="placeholder"))
             params = {ph: scope.params[op] for ph, op in zip(placeholders, operands) if op in scope.params}
-            yield GraphScope(body, params, parent=scope, hop=node, prefix=scope.prefix)
+            yield GraphScope(body, params, parent=scope, hop=node, prefix=scope.prefix, root=scope.root)
             continue
         why = scope.unsupported or f"inside torch.ops.higher_order.{name}, which the te passes do not rewrite"
         for sub in _subgraphs(node, scope.gm):
             # Reported only: their operand conventions differ per HOP, so parameters are not traced
             # in; the report still lists every matmul inside.
-            yield GraphScope(sub, {}, parent=scope, hop=node, unsupported=why, prefix=scope.prefix)
+            yield GraphScope(sub, {}, parent=scope, hop=node, unsupported=why, prefix=scope.prefix, root=scope.root)
 
 
 _ROOT = re.compile(r"^L\['[^']*'\]\.?")
@@ -212,10 +217,10 @@ def graph_scopes(gm: fx.GraphModule, example_inputs: Sequence) -> list[GraphScop
     # Dynamo passes parameters as graph inputs: placeholder -> the nn.Parameter it receives.
     local = {node: (i, value, _source_path(node)) for i, (node, value) in enumerate(zip(placeholders, example_inputs))
              if isinstance(value, torch.nn.Parameter)}
-    prefix = frame_prefix((value, name) for _, value, name in local.values())
-    params = {node: ParamRef(value, prefix + name, i) for node, (i, value, name) in local.items()}
+    root, prefix = frame_root((value, name) for _, value, name in local.values())
+    params = {node: ParamRef(value, prefix + name.removeprefix(root), i) for node, (i, value, name) in local.items()}
     scopes, seen = [], set()
-    stack = [GraphScope(gm, params, prefix=prefix)]
+    stack = [GraphScope(gm, params, prefix=prefix, root=root)]
     while stack:
         scope = stack.pop()
         if id(scope.gm) in seen:   # a body several calls share (invoke_subgraph): listed once

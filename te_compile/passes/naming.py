@@ -23,7 +23,7 @@ from typing import Iterable
 
 import torch.nn as nn
 
-__all__ = ["full_names", "frame_prefix", "FrameInstances"]
+__all__ = ["full_names", "frame_root", "frame_prefix", "FrameInstances"]
 
 # the models found so far: root module -> {id(parameter): name}
 _roots: "weakref.WeakKeyDictionary[nn.Module, dict[int, str]]" = weakref.WeakKeyDictionary()
@@ -79,16 +79,32 @@ def full_names(params: Iterable[nn.Parameter]) -> dict[int, str]:
     return out
 
 
-def frame_prefix(pairs: Iterable[tuple[nn.Parameter, str]]) -> str:
-    """The module path of the compiled frame's root, from (parameter, name in the frame) pairs:
-    "blocks.0." when the frame calls "fc1.weight" what the model calls "blocks.0.fc1.weight"."""
+def frame_root(pairs: Iterable[tuple[nn.Parameter, str]]) -> tuple[str, str]:
+    """(what the frame puts before a path of the model, the model's path of the frame's root), from
+    (parameter, name in the frame) pairs.
+
+    ("", "blocks.0.") when the frame calls "fc1.weight" what the model calls "blocks.0.fc1.weight"
+    (Dynamo compiled one block). ("0.", "") when the frame calls "0.model.norm.weight" what the model
+    calls "model.norm.weight": Dynamo compiled a decorator's ``wrapper(*args, **kwargs)`` around the
+    model's forward (transformers >= 5.24), so the model is ``args[0]`` of the frame.
+    """
     pairs = list(pairs)
     names = full_names(p for p, _ in pairs)
     for param, local in pairs:
         full = names.get(id(param))
-        if full is not None and full.endswith(local) and (full == local or full[-len(local) - 1] == "."):
-            return full[: len(full) - len(local)]
-    return ""
+        if full is None:
+            continue
+        if full.endswith(local) and (full == local or full[-len(local) - 1] == "."):
+            return "", full[: len(full) - len(local)]
+        if local.endswith("." + full):
+            return local[: len(local) - len(full)], ""
+    return "", ""
+
+
+def frame_prefix(pairs: Iterable[tuple[nn.Parameter, str]]) -> str:
+    """The module path of the compiled frame's root, from (parameter, name in the frame) pairs:
+    "blocks.0." when the frame calls "fc1.weight" what the model calls "blocks.0.fc1.weight"."""
+    return frame_root(pairs)[1]
 
 
 class FrameInstances:
