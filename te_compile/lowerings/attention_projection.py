@@ -21,7 +21,12 @@ from dataclasses import dataclass
 import torch
 
 from ..scaling import tensor_amax
-from .fp8_attention import AttentionLowering, AttentionSpec
+from .fp8_attention import (
+    AttentionLowering,
+    AttentionSpec,
+    attention_forward,
+    split_fp8_inputs,
+)
 from .fp8_linear import _column_major, _quantize_per_tensor, fp8_dgrad_wgrad, fp8_fprop
 from .linear import LinearLowering, _autocast_dtype
 
@@ -45,12 +50,14 @@ class AttentionProjectionFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, spec: AttentionProjectionSpec, q, k, v, mask, a_carrier, a_q, a_k, a_v, a_do,
-                w_nk, l_carrier, x_scale, w_scale, g_scale):
+                w_nk, l_carrier, x_scale, w_scale, g_scale, q8_bits=None, k8_bits=None, v8_bits=None,
+                in_amaxes=None):
         att, recipe = spec.attention, spec.recipe
         scales = torch.cat([a_q, a_k, a_v]) if a_q is not None else None
+        fp8_inputs = (q8_bits, k8_bits, v8_bits, in_amaxes) if in_amaxes is not None else None
         # no per-head FP8 copy of O: the projection's FP8 input stands in for it in the backward
-        o, lse, q8, k8, v8, _, qd, kd, vd, _, amaxes = torch.ops.te_compile.fp8_attention_forward(
-            q, k, v, mask, att.sm_scale, att.causal, scales, False)
+        o, lse, q8, k8, v8, _, qd, kd, vd, _, amaxes = attention_forward(q, k, v, mask, att, scales, False,
+                                                                        fp8_inputs)
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
         xq, x_sinv, x_amax = _quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))
@@ -84,14 +91,21 @@ class AttentionProjectionFunction(torch.autograd.Function):
             att.causal, att.fp8_backward, att.grad_dtype, a_do)
         a_grad = torch.cat([amaxes, do_amax]) if ctx.needs_input_grad[5] else None
         l_grad = torch.cat([xw_amax, g_amax]) if ctx.needs_input_grad[11] else None
-        return None, dq, dk, dv, None, a_grad, None, None, None, None, dw, l_grad, None, None, None
+        return (None, dq, dk, dv, None, a_grad, None, None, None, None, dw, l_grad, None, None, None,
+                None, None, None, None)
+
+
+def _call_args(fp8_inputs: tuple) -> tuple:
+    """The trailing arguments of an AttentionLowering call for split ``fp8_inputs``."""
+    return (*fp8_inputs[:3], *fp8_inputs[3]) if fp8_inputs else ()
 
 
 class AttentionProjectionLowering:
     """Callable inserted into the FX graph for an SDPA site and the projection reading it:
     ``(q, k, v, mask, *attention_delayed, weight, bias, *linear_delayed) -> y`` of the shape the
     projection gave ([B, T, N], or [B*T, N] when ``spec.flat``). The delayed tuples are 5 and 4
-    tensors (or None) under DelayedScaling, empty otherwise; ``n_attention`` says which.
+    tensors (or None) under DelayedScaling, empty otherwise; ``n_attention`` says which. An attention
+    taking FP8 inputs (``spec.attention.fp8_inputs``) has them last, as AttentionLowering takes them.
 
     Under autocast it runs the two sites apart (the attention and the linear lowerings)."""
 
@@ -105,15 +119,16 @@ class AttentionProjectionLowering:
         self.__module__ = __name__
 
     def __call__(self, q, k, v, mask, *rest):
+        rest, fp8_inputs = split_fp8_inputs(self.spec.attention, rest)
         a_delayed, (weight, bias, *l_delayed) = rest[:self._n], rest[self._n:]
         if _autocast_dtype(q) is not None:
-            o = self._attention(q, k, v, mask, *a_delayed)
+            o = self._attention(q, k, v, mask, *a_delayed, *_call_args(fp8_inputs))
             b, h, t, d = o.shape
             x = o.transpose(1, 2).reshape(b * t, h * d) if self.spec.flat else o.transpose(1, 2).reshape(b, t, h * d)
             return self._linear(x, weight, bias, *l_delayed)
         w_nk = weight.t() if self._linear.spec.weight_in_out else weight
         y = AttentionProjectionFunction.apply(self.spec, q, k, v, mask, *(a_delayed or (None,) * 5), w_nk,
-                                              *(l_delayed or (None,) * 4))
+                                              *(l_delayed or (None,) * 4), *fp8_inputs)
         if not self.spec.flat:
             y = y.reshape(q.shape[0], q.shape[2], y.shape[-1])
         return y if bias is None else y + bias

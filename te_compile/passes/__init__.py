@@ -26,6 +26,7 @@ from .linear import rewrite_linears
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
+from .attention_inputs import hand_off_attention_inputs
 from .attention_projection import fuse_attention_projections
 from .cache_names import publish_lowerings
 from .norm_fusion import fuse_norms
@@ -54,13 +55,15 @@ class PassContext:
 Pass = Callable[[PassContext, GraphScope], int]
 
 # The order matters: the norm and activation passes fuse into the linears the linear pass created, the
-# fp8_mha pass joins the attention pass's sites to them.
+# fp8_mha passes join the attention pass's sites to them (the input side first: the output side
+# writes the row for both).
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,
     rewrite_attention,
+    hand_off_attention_inputs,
     fuse_attention_projections,
 )
 

@@ -20,6 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..lowerings.attention_projection import AttentionProjectionLowering, AttentionProjectionSpec
 from ..lowerings.fp8_attention import AttentionLowering
 from ..report import SiteRecord
+from .attention_inputs import META_KEY
 from .graphs import GraphScope
 from .matching import method_or_name, shape_text, value_of
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name
@@ -109,27 +110,32 @@ def fuse_attention_projections(ctx: "PassContext", scope: GraphScope) -> int:
         if not getattr(spec.recipe, "fp8_mha", False):
             continue
         reader, flat, why = _projection(node)
+        # the input side, from attention_inputs.py
+        inputs_handed, inputs_text = node.meta.get(META_KEY, (False, "Q, K, V arrive in high precision"))
 
         def record(fused: bool, reason: str) -> None:
             # sorted after the attention's own row: at the first reader of its output
             ctx.record(scope, next(iter(node.users), node), SiteRecord(
-                fqn=spec.fqn, op="fp8_mha", recipe=spec.recipe.name, rewritten=fused, reason=reason + scope.where,
-                shapes=shape_text("o", node) or "", graph=ctx.graph_id))
+                fqn=spec.fqn, op="fp8_mha", recipe=spec.recipe.name, rewritten=fused or inputs_handed,
+                reason=f"{reason}; {inputs_text}{scope.where}", shapes=shape_text("o", node) or "",
+                graph=ctx.graph_id))
 
         if reader is None or why:
             where = f"{linear_name(reader)}: " if reader is not None else ""
             record(False, f"{where}{why}; O goes to the projection in high precision")
             continue
         linear = reader.node.target
-        record(True, f"FP8 O handed to {linear_name(reader)} (quantized and saved once); Q, K, V still "
-                     f"arrive in high precision (no FP8-output GEMM yet)")
-        a_delayed = node.args[4:]
+        record(True, f"FP8 O handed to {linear_name(reader)} (quantized and saved once)")
+        # the call's arguments: q, k, v, mask, *delayed state, then the FP8 inputs (if handed over)
+        n_fp8 = 3 + spec.fp8_inputs if spec.fp8_inputs else 0
+        a_delayed = node.args[4:len(node.args) - n_fp8]
+        fp8_inputs = node.args[len(node.args) - n_fp8:] if n_fp8 else ()
         fused = AttentionProjectionLowering(
             AttentionProjectionSpec(spec, linear.spec.fqn, linear.spec.recipe, flat), attention, linear,
             len(a_delayed))
         going = dying([reader])
         with scope.graph.inserting_before(reader.node):
-            new = scope.graph.call_function(fused, (*node.args, *reader.node.args[1:]))
+            new = scope.graph.call_function(fused, (*node.args[:4], *a_delayed, *reader.node.args[1:], *fp8_inputs))
         new.meta.update(reader.node.meta)
         reader.node.replace_all_uses_with(new)
         # the linear, its input chain back to the attention call, and the call itself
