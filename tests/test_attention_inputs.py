@@ -27,6 +27,7 @@ from utils import assert_bitwise_equal
 B, T, C, H, HKV = 2, 16, 64, 4, 2
 D = C // H
 STEPS = 3
+SEPARATE = ("separate", "rotary", "opt", "repeat_kv", "cache")
 
 
 class Block(nn.Module):
@@ -35,7 +36,7 @@ class Block(nn.Module):
     def __init__(self, form: str):
         super().__init__()
         self.form = form
-        if form in ("separate", "rotary", "opt", "repeat_kv"):   # BERT, ViT, Llama, OPT: three linears, GQA
+        if form in SEPARATE:            # BERT, ViT, Llama, OPT: three linears, GQA
             self.q, self.k, self.v = nn.Linear(C, C), nn.Linear(C, HKV * D), nn.Linear(C, HKV * D)
         else:
             self.qkv = nn.Linear(C, 3 * C)
@@ -47,7 +48,7 @@ class Block(nn.Module):
                 w.mul_(1.0 + i)
 
     def _weights(self):
-        if self.form in ("separate", "rotary", "opt", "repeat_kv"):
+        if self.form in SEPARATE:
             return [self.q.weight, self.k.weight, self.v.weight]
         return list(self.qkv.weight.split(C))
 
@@ -57,7 +58,7 @@ class Block(nn.Module):
             q = (self.q(x) * 0.5).view(B, T, H, D).transpose(1, 2).contiguous()
             k = self.k(x).view(B, T, HKV, D).transpose(1, 2).contiguous()
             v = self.v(x).view(B, T, HKV, D).transpose(1, 2).contiguous()
-        elif f in ("separate", "rotary", "repeat_kv"):
+        elif f in ("separate", "rotary", "repeat_kv", "cache"):
             q = self.q(x).view(B, T, H, D).transpose(1, 2)
             k = self.k(x).view(B, T, HKV, D).transpose(1, 2)
             v = self.v(x).view(B, T, HKV, D).transpose(1, 2)
@@ -65,6 +66,8 @@ class Block(nn.Module):
                 k, v = (t[:, :, None].expand(B, HKV, H // HKV, T, D).reshape(B, H, T, D) for t in (k, v))
             if f == "rotary":           # Llama rotates q and k after their projections, not v
                 q, k = (t * 0.75 + t.roll(1, dims=-1) * 0.25 for t in (q, k))
+            if f == "cache":            # transformers' DynamicCache appends k, v to torch.tensor([])
+                k, v = (torch.cat([torch.tensor([], dtype=t.dtype), t], dim=-2) for t in (k, v))
         elif f == "packed":             # timm: [B, T, 3, H, D] -> [3, B, H, T, D] -> unbind
             q, k, v = self.qkv(x).reshape(B, T, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)
         else:
@@ -78,7 +81,8 @@ class Block(nn.Module):
             q, k, v = (t.reshape(B, T, H, D).transpose(1, 2) for t in (q, k, v))
             if f == "scaled":           # OPT / Whisper scale q after its projection
                 q = q * 0.5
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=f in ("separate", "rotary", "opt"))
+        gqa = f in ("separate", "rotary", "opt", "cache")
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.proj(o.transpose(1, 2).reshape(B, T, C)) + x
 
 
@@ -91,14 +95,18 @@ FORMS = {
     "repeat_kv": (True, "FP8 Q, K, V from forms.repeat_kv.q, forms.repeat_kv.k, forms.repeat_kv.v"),
     # the others are quantized in the traced graph, where inductor fuses the cast with the rotation
     "rotary": (True, "FP8 V from forms.rotary.v (quantized once, at the projection's output); Q, K quantized in "
-                     "the graph once they are computed (q is made by add, not moved out of a per-tensor FP8 linear"),
+                     "the graph once they are computed (q and k are made by add, not moved out of a per-tensor FP8 "
+                     "linear's output)"),
+    "cache": (True, "FP8 Q, K, V from forms.cache.q, forms.cache.k, forms.cache.v"),
     "opt": (True, "FP8 K, V from forms.opt.k, forms.opt.v (quantized once, at the projection's output); Q quantized "
                   "in the graph once it is computed (q is made by mul, not moved out of a per-tensor FP8 linear"),
     # k and v are columns of the output q is computed from: none is handed over
-    "scaled": (False, "Q, K, V arrive in high precision: q is made by mul, not moved out of a per-tensor FP8 linear"),
+    "scaled": (False, "Q, K, V arrive in high precision: q is made by mul, not moved out of a per-tensor FP8 "
+                      "linear's output; k and v are cut from a projection output whose other columns are not "
+                      "handed over"),
     # y is also read in high precision (it is written anyway; the cast is one more read)
     "also_read": (True, "FP8 Q, K, V from forms.also_read.qkv"),
-    "strided": (False, "Q, K, V arrive in high precision: q, k or v takes part of its projection's columns"),
+    "strided": (False, "Q, K, V arrive in high precision: q is not one whole range of its projection's columns"),
 }
 HANDED = [name for name, (handed, _) in FORMS.items() if handed]
 
@@ -220,8 +228,8 @@ def test_triton_forward_reads_q_k_v_as_views_of_the_projections_bytes():
 @pytest.mark.parametrize("arch", ["bert", "opt"])
 def test_hugging_face_attention(arch, monkeypatch):
     """transformers' own code: BERT's separate query / key / value linears hand over (the loss and
-    every gradient bit-identical to the attention quantizing itself); OPT scales q after q_proj and
-    keeps Q, K, V in high precision, saying so."""
+    every gradient bit-identical to the attention quantizing itself); OPT scales q after q_proj, so
+    only K and V are handed over, and the report says why not Q."""
     transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
     if arch == "bert":
         config = transformers.BertConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
@@ -253,8 +261,11 @@ def test_hugging_face_attention(arch, monkeypatch):
                         f"FP8 Q, K, V from {prefix}.query, {prefix}.key, {prefix}.value (quantized once, at the "
                         f"projection's output)"], rows
     else:
-        assert len(rows) == 1 and "; Q, K, V arrive in high precision: q is made by mul" \
-            in rows[0], rows
+        # k and v pass through transformers' DynamicCache (>= 5.24: cat onto an empty tensor) on the way
+        assert rows == [f"FP8 O handed to model.decoder.layers.0.self_attn.out_proj (quantized and saved once); "
+                        f"FP8 K, V from {prefix[:-6]}k_proj, {prefix[:-6]}v_proj (quantized once, at the "
+                        f"projection's output); Q quantized in the graph once it is computed (q is made by mul, "
+                        f"not moved out of a per-tensor FP8 linear's output)"], rows
     _without_the_pass(monkeypatch)
     apart_loss, apart_grads, _ = run()
     assert_bitwise_equal(loss, apart_loss, "loss")

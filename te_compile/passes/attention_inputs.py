@@ -17,7 +17,8 @@ becomes
 q, k, v stay arguments: the attention's backward returns their gradients, which reach the projection
 through the original moves. Which columns of y go to q, k or v is found by replaying the moves on a
 tensor of column indices (its rows broadcast: only a move that must copy, such as repeat_kv's
-reshape, allocates).
+reshape, allocates). A ``cat`` onto statically empty tensors (transformers' DynamicCache appending
+the first keys and values) counts as a move.
 
 Each of q, k, v is handed over on its own. One computed from its projection by anything but moves
 (rotary embeddings, a scaling multiply, a norm, a cast) is quantized by the attention lowering in
@@ -63,6 +64,26 @@ _MOVES = ("view", "reshape", "transpose", "permute", "contiguous", "split", "chu
           "unflatten", "flatten", "squeeze", "unsqueeze", "narrow", "swapaxes", "swapdims", "movedim",
           "split_with_sizes", *_REPEATS)
 _ROLES = ("q", "k", "v")
+_CATS = (torch.cat, torch.concat, torch.concatenate)
+
+
+def _appended_to_nothing(node: fx.Node) -> Optional[fx.Node]:
+    """x for ``torch.cat([empty, x])``, a cat whose other operands are statically empty; else None.
+
+    transformers' DynamicCache (5.24) starts each layer's keys and values as ``torch.tensor([])``
+    and appends by ``cat``, so a training forward's k and v are ``cat([tensor([]), k])``: the same
+    values, a move.
+    """
+    if node.op != "call_function" or node.target not in _CATS or not node.args:
+        return None
+    operands = node.args[0]
+    if not isinstance(operands, (list, tuple)) or not all(isinstance(t, fx.Node) for t in operands):
+        return None
+    sizes = [getattr(value_of(t), "numel", lambda: None)() for t in operands]
+    if any(not isinstance(n, int) for n in sizes):    # unknown or symbolic
+        return None
+    full = [t for t, n in zip(operands, sizes) if n]
+    return full[0] if len(full) == 1 else None
 
 
 def _projection(node: fx.Node) -> Optional[str]:
@@ -85,6 +106,11 @@ def _trace_back(node: fx.Node, role: str) -> Union[str, tuple[fx.Node, list[fx.N
     """(projection output, the moves from it to ``node``, in graph order), or why not."""
     chain = []
     while _projection(node) is None:
+        appended = _appended_to_nothing(node)
+        if appended is not None:
+            chain.append(node)
+            node = appended
+            continue
         name = method_or_name(node)
         if name not in _MOVES or not node.args or not isinstance(node.args[0], fx.Node):
             return f"{role} is made by {name or node.op}, not moved out of a per-tensor FP8 linear's output"
@@ -120,8 +146,11 @@ def _value(a: Any, env: dict[fx.Node, Any]) -> Any:
 
 
 def _run(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
-    """``node`` (a move) applied to the values in ``env``; ``contiguous`` is skipped (it would copy
-    the broadcast probe, and it moves nothing)."""
+    """``node`` (a move) applied to the values in ``env``; ``contiguous`` and a cat onto nothing are
+    skipped (they would copy the broadcast probe, and they move nothing)."""
+    appended = _appended_to_nothing(node)
+    if appended is not None:
+        return env[appended]
     args, kwargs = _value(node.args, env), _value(dict(node.kwargs), env)
     if node.op == "call_method":
         if node.target == "contiguous":
@@ -130,10 +159,11 @@ def _run(node: fx.Node, env: dict[fx.Node, Any]) -> Any:
     return node.target(*args, **kwargs)
 
 
-def _columns(source: fx.Node, moves: list[fx.Node], chains: list[list[fx.Node]]) -> Union[str, list[tuple[int, int]]]:
-    """Per chain of moves from ``source`` (its last node the end: q, k or v; empty for ``source``
-    itself), the range of ``source``'s last-dim columns the end holds, (first, end), when it holds
-    all elements of those columns and nothing else; else why not."""
+def _columns(source: fx.Node, moves: list[fx.Node], chains: list[list[fx.Node]],
+             names: list[str]) -> Union[str, list[tuple[int, int]]]:
+    """Per chain of moves from ``source`` (its last node the end: q, k or v, named in ``names``;
+    empty for ``source`` itself), the range of ``source``'s last-dim columns the end holds, (first,
+    end), when it holds all elements of those columns and nothing else; else why not."""
     y = value_of(source)
     if y is None or not all(isinstance(d, int) for d in y.shape):
         return "the projection's output has no static shape"
@@ -147,7 +177,7 @@ def _columns(source: fx.Node, moves: list[fx.Node], chains: list[list[fx.Node]])
         return f"could not follow the moves from the projection ({e})"
     rows = y.numel() // n if n else 0
     found = []
-    for chain in chains:
+    for chain, name in zip(chains, names):
         cols = env[chain[-1]] if chain else probe
         # how many times the repeats hold each element (expand, repeat_interleave by an int: all alike)
         copies = 1
@@ -156,7 +186,8 @@ def _columns(source: fx.Node, moves: list[fx.Node], chains: list[list[fx.Node]])
                 copies *= env[move].numel() // max(1, env[move.args[0]].numel())
         lo, hi = int(cols.min()), int(cols.max()) + 1
         if cols.numel() != rows * (hi - lo) * copies:   # otherwise some element of the range is missing
-            return "q, k or v takes part of its projection's columns"
+            # e.g. GPT-NeoX: [B, T, H, 3 * D] chunked per head, so v's columns interleave with q's and k's
+            return f"{name} is not one whole range of its projection's columns"
         found.append((lo, hi))
     return found
 
@@ -181,7 +212,7 @@ def _plan(node: fx.Node) -> tuple[list[tuple[fx.Node, list[fx.Node], tuple[tuple
     plans = []
     for source, roles in sources.items():
         moves = sorted({m for r in roles for m in traced[r][1]}, key=position)
-        columns = _columns(source, moves, [traced[r][1] for r in roles])
+        columns = _columns(source, moves, [traced[r][1] for r in roles], [_ROLES[r] for r in roles])
         if isinstance(columns, str):
             why.update({r: columns for r in roles})
             continue
@@ -191,7 +222,7 @@ def _plan(node: fx.Node) -> tuple[list[tuple[fx.Node, list[fx.Node], tuple[tuple
             continue
         if sum(hi - lo for lo, hi in spans) != value_of(source).shape[-1]:
             # the others' columns are in the same output: casting all of it for a part is not done
-            why.update({r: f"{_ROLES[r]} shares its projection's output with a tensor computed from it"
+            why.update({r: f"{_ROLES[r]} is cut from a projection output whose other columns are not handed over"
                         for r in roles})
             continue
         segments = tuple((role, *cols) for role, cols in zip(roles, columns))
@@ -213,6 +244,20 @@ def _like(example: Any, dtype: torch.dtype, shape: Optional[tuple] = None) -> An
         return torch.empty_strided(example.shape, example.stride(), dtype=dtype, device=example.device)
 
 
+def _reasons(why: dict[int, str]) -> str:
+    """Why the roles left out were, each reason once: "q and k are made by add, ...; v is ..."."""
+    groups: dict[str, list[str]] = {}     # "made by add, ..." -> ["q", "k"]; a whole sentence -> []
+    for role in sorted(why):
+        name, text = _ROLES[role], why[role]
+        if text.startswith(f"{name} is "):
+            groups.setdefault(text[len(name) + 4:], []).append(name)
+        else:   # a reason about another role, or all of them
+            groups.setdefault(text, [])
+    parts = (f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} {rest}" if names else rest
+             for rest, names in groups.items())
+    return "; ".join(dict.fromkeys(parts))
+
+
 def _handed_text(plans, why: dict[int, str]) -> str:
     """The report's words: "FP8 Q, K, V from attn.qkv (...)", and what became of the others."""
     def names(roles):
@@ -223,7 +268,7 @@ def _handed_text(plans, why: dict[int, str]) -> str:
     text = f"FP8 {names(handed)} from {projections} (quantized once, at the projection's output)"
     if why:
         verb = "it is" if len(why) == 1 else "they are"
-        text += f"; {names(why)} quantized in the graph once {verb} computed ({why[min(why)]})"
+        text += f"; {names(why)} quantized in the graph once {verb} computed ({_reasons(why)})"
     return text
 
 
@@ -243,7 +288,7 @@ def hand_off_attention_inputs(ctx: "PassContext", scope: GraphScope) -> int:
             continue
         plans, why = _plan(node)
         if not plans:
-            node.meta[META_KEY] = (False, f"Q, K, V arrive in high precision: {why[0]}")
+            node.meta[META_KEY] = (False, f"Q, K, V arrive in high precision: {_reasons(why)}")
             continue
         _, q_scale, k_scale, v_scale, _ = node.args[4:9]
         graph = scope.graph
@@ -259,6 +304,10 @@ def hand_off_attention_inputs(ctx: "PassContext", scope: GraphScope) -> int:
                 env[source].meta["example_value"] = _like(y, torch.uint8)
                 amaxes[-1].meta["example_value"] = _like(y, torch.float32, (3,))
                 for move in moves:
+                    appended = _appended_to_nothing(move)
+                    if appended is not None:     # the empty operand is in y's dtype: cat would promote
+                        env[move] = env[appended]
+                        continue
                     env[move] = graph.node_copy(move, lambda n: env.get(n, n))
                     # as the moved y's, in uint8: AOTAutograd's cache reads methods' targets from them
                     env[move].meta["example_value"] = _like(move.meta.get("example_value"), torch.uint8)
