@@ -208,6 +208,34 @@ def test_norm_without_fp8_readers_is_reported_unfused():
                     ("2", "rms_norm", False, "no FP8 linear reads its output (read by output)")]
 
 
+class LowRank(nn.Module):
+    """DeepSeek's MLA query path: a norm fused into a down-projection whose output another norm
+    normalizes for the up-projection (norm -> linear -> norm -> linear)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_norm, self.a_norm = nn.RMSNorm(D), nn.RMSNorm(D // 2)
+        self.a, self.b = nn.Linear(D, D // 2, bias=False), nn.Linear(D // 2, D, bias=False)
+
+    def forward(self, x):
+        return x + self.b(self.a_norm(self.a(self.input_norm(x))))
+
+
+def test_a_norm_of_a_fused_linears_output_fuses_too():
+    torch.manual_seed(0)
+    base = LowRank()
+    x = torch.randn(2, 8, D)
+    out = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager"), x)
+    rows = [(r.fqn, r.rewritten, r.reason) for r in te_compile.report().sites if r.op == "rms_norm"]
+    assert rows == [("input_norm", True, "fused into a"), ("a_norm", True, "fused into b")], rows
+    ref = _step(_compile(copy.deepcopy(base), recipe="Float8CurrentScaling", compiler="aot_eager",
+                         rewrite={"rms_norm": False}), x)
+    torch.testing.assert_close(out[0], ref[0], rtol=0.07, atol=0.07)
+    assert (out[0] == ref[0]).float().mean() > 0.99
+    for n, g in ref[2].items():
+        torch.testing.assert_close(out[2][n], g, rtol=0.05, atol=2e-3, msg=n)
+
+
 def test_autocast_runs_the_norm_unfused_with_the_same_numbers():
     torch.manual_seed(0)
     base = Readers(lambda: _norm_of("llama"))

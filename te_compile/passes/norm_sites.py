@@ -18,7 +18,7 @@ reason instead.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.fx as fx
@@ -203,21 +203,23 @@ def _chain(node, stop) -> list[fx.Node]:
     return out
 
 
-def find_norm_sites(scope: GraphScope) -> list[NormSite]:
-    sites = []
-    for node in scope.graph.nodes:
-        if node.op not in ("call_function", "call_method"):
+def find_norm_sites(scope: GraphScope) -> Iterator[NormSite]:
+    """The norm sites of ``scope`` in graph order, each found when the caller's loop reaches it: a norm
+    reading a linear that fusing an earlier norm replaced (DeepSeek's MLA: input_layernorm fused into
+    kv_a_proj, whose output kv_a_layernorm normalizes) then names the replacement, not a node that is
+    gone from the graph."""
+    for node in list(scope.graph.nodes):
+        if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
             continue
         if node.op == "call_function" and node.target in _LAYER_NORM + _RMS_NORM:
             op = "layer_norm" if node.target in _LAYER_NORM else "rms_norm"
             site = NormSite(node, op, scope.fqn(module_fqn(node)), op)
             _parse_library(site, node)
-            sites.append(site)
+            yield site
         elif method_or_name(node) == "rsqrt":
             found = _hand_rms(node, scope.params)
             if found is not None:
                 out, x, normed, product = found
                 site = NormSite(out, "rms_norm", scope.fqn(module_fqn(node)), "hand-written RMSNorm")
                 _parse_hand_rms(site, node, x, normed, product, scope.params)
-                sites.append(site)
-    return sites
+                yield site
