@@ -83,7 +83,9 @@ def _appended_to_nothing(node: fx.Node) -> Optional[fx.Node]:
     if any(not isinstance(n, int) for n in sizes):    # unknown or symbolic
         return None
     full = [t for t, n in zip(operands, sizes) if n]
-    return full[0] if len(full) == 1 else None
+    if len(full) != 1 or getattr(value_of(node), "dtype", None) != getattr(value_of(full[0]), "dtype", None):
+        return None     # an empty operand of another dtype would make the cat a cast too
+    return full[0]
 
 
 def _projection(node: fx.Node) -> Optional[str]:

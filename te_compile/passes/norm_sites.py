@@ -206,7 +206,7 @@ def _chain(node, stop) -> list[fx.Node]:
 def find_norm_sites(scope: GraphScope) -> Iterator[NormSite]:
     """The norm sites of ``scope`` in graph order, each found when the caller's loop reaches it: a norm
     reading a linear that fusing an earlier norm replaced (DeepSeek's MLA: input_layernorm fused into
-    kv_a_proj, whose output kv_a_layernorm normalizes) then names the replacement, not a node that is
+    q_a_proj, whose output q_a_layernorm normalizes) then names the replacement, not a node that is
     gone from the graph."""
     for node in list(scope.graph.nodes):
         if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
