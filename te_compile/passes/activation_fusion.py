@@ -27,7 +27,7 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .matching import MUL, calls, method_or_name, shape_of, shape_text, squared
+from .matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared
 from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .sites import module_fqn
 
@@ -97,7 +97,7 @@ def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
     """Fuse each activation of ``scope`` with the FP8 linear reading it; one report row per site."""
     count = 0
     for node in list(scope.graph.nodes):
-        if getattr(node, "_erased", False):   # a linear (or a view before it) fused away below
+        if erased(node):   # a linear (or a view before it) fused away below
             continue
         found = _site(node) if node.op in ("call_function", "call_method") else None
         if found is None:
@@ -208,7 +208,7 @@ def fuse_hand_written_activations(ctx: "PassContext", scope: GraphScope) -> int:
         return 0
     count = 0
     for node in list(scope.graph.nodes):
-        if getattr(node, "_erased", False) or not isinstance(node.target, LinearLowering):
+        if erased(node) or not isinstance(node.target, LinearLowering):
             continue
         out = _source(node.args[0])
         found = _elementwise_region(out)

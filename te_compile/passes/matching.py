@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["CASTS", "MUL", "ADD", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
-           "shape_of", "shape_text"]
+           "shape_of", "shape_text", "erased"]
 
 # dtype casts between floating-point dtypes
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
@@ -57,6 +57,12 @@ def squared(node) -> Optional[fx.Node]:
     if name == "square" and node.args:
         return node.args[0]
     return None
+
+
+def erased(node: fx.Node) -> bool:
+    """``node`` was removed from its graph: a pass looping over a snapshot of the nodes while it
+    fuses skips the ones an earlier rewrite took out (fx marks them in a private flag)."""
+    return getattr(node, "_erased", False)
 
 
 def value_of(node) -> Optional[torch.Tensor]:

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from ..kernels.norm_quantize import NormSpec
 from .graphs import GraphScope
-from .matching import ADD, CASTS, MUL, calls, dtype_of, method_or_name, squared, strip_casts
+from .matching import ADD, CASTS, MUL, calls, dtype_of, erased, method_or_name, squared, strip_casts
 from .sites import module_fqn
 
 __all__ = ["NormSite", "find_norm_sites"]
@@ -209,7 +209,7 @@ def find_norm_sites(scope: GraphScope) -> Iterator[NormSite]:
     q_a_proj, whose output q_a_layernorm normalizes) then names the replacement, not a node that is
     gone from the graph."""
     for node in list(scope.graph.nodes):
-        if getattr(node, "_erased", False) or node.op not in ("call_function", "call_method"):
+        if erased(node) or node.op not in ("call_function", "call_method"):
             continue
         if node.op == "call_function" and node.target in _LAYER_NORM + _RMS_NORM:
             op = "layer_norm" if node.target in _LAYER_NORM else "rms_norm"
