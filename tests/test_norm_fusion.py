@@ -17,7 +17,7 @@ from te_compile.kernels.norm_quantize import norm_forward_reference
 from te_compile.passes.graphs import graph_scopes
 from te_compile.passes.norm_sites import find_norm_sites
 from te_compile.scaling import cast_to_fp8
-from test_norm_sites import NORMS, D, _hf_models
+from test_norm_sites import HF_EXPECTED, NORMS, D, _hf_models
 
 
 class Readers(nn.Module):
@@ -264,7 +264,7 @@ def test_norm_in_a_checkpointed_block_fuses_in_the_region():
     torch.testing.assert_close(out[0], ref[0], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("name", ["llama", "gemma", "t5", "gpt2"])
+@pytest.mark.parametrize("name", ["llama", "gemma", "t5", "gpt2", "cohere"])
 def test_hugging_face_norms_fuse_with_loss_parity(name):
     cls, config = _hf_models()[name]
     torch.manual_seed(0)
@@ -283,7 +283,7 @@ def test_hugging_face_norms_fuse_with_loss_parity(name):
             norms = {s.fqn: s for s in te_compile.report().sites if s.op in ("layer_norm", "rms_norm")}
             # T5's encoder ends in its final norm: no linear reads it
             unread = {"encoder.final_layer_norm"} if name == "t5" else set()
-            assert len(norms) == 3 and {n for n, s in norms.items() if not s.rewritten} == unread, \
+            assert len(norms) == len(HF_EXPECTED[name]) and {n for n, s in norms.items() if not s.rewritten} == unread, \
                 [(s.fqn, s.reason) for s in norms.values()]
     assert abs(losses[True] - losses[False]) <= 2e-3 * abs(losses[False])
 
@@ -323,3 +323,24 @@ def test_float64_norms_are_reported_unfused_with_the_reason():
     rows = [(r.op, r.rewritten, r.reason) for r in te_compile.report().sites if r.op != "linear"]
     assert rows[0] == ("layer_norm", False, "output dtype torch.float64 (left unfused)")
     assert rows[1][:2] == ("rms_norm", False) and rows[1][2].startswith("NormSpec dtypes must be among")
+
+
+def test_a_hand_written_layer_norm_adding_its_bias_in_bf16_stays_unfused():
+    """The fused kernels add the bias to the fp32 product and round once; a bf16 product plus a bf16
+    bias rounds twice, so that norm keeps its own nodes, and says why."""
+    class Bf16Bias(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.weight, self.bias = nn.Parameter(torch.ones(D)), nn.Parameter(torch.zeros(D))
+
+        def forward(self, x):
+            h = x.float()
+            c = h - h.mean(-1, keepdim=True)
+            h = (c * torch.rsqrt(c.pow(2).mean(-1, keepdim=True) + 1e-5)).to(x.dtype)
+            return h * self.weight + self.bias
+
+    model = nn.Sequential(Bf16Bias(), nn.Linear(D, D)).to(torch.bfloat16)
+    _compile(model, recipe="Float8CurrentScaling", compiler="aot_eager")(torch.randn(4, D, dtype=torch.bfloat16))
+    [row] = [r for r in te_compile.report().sites if r.op != "linear"]
+    assert (row.fqn, row.op, row.rewritten) == ("0", "layer_norm", False)
+    assert row.reason == "the bias is added in low precision (left unfused)"

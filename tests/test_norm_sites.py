@@ -94,6 +94,38 @@ class GptFastRMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
+class CohereLayerNorm(nn.Module):
+    """HF Cohere / Cohere2: a hand-written LayerNorm in fp32, no bias, x - mean written twice."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+
+    def forward(self, x):
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        mean = h.mean(-1, keepdim=True)
+        variance = (h - mean).pow(2).mean(-1, keepdim=True)
+        h = (h - mean) * torch.rsqrt(variance + 1e-5)
+        h = self.weight.to(torch.float32) * h
+        return h.to(dtype)
+
+
+class HandLayerNorm(nn.Module):
+    """A hand-written LayerNorm with a bias, centring once: (x - mean) * rsqrt(var + eps) * w + b."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(d))
+        self.bias = nn.Parameter(torch.zeros(d))
+
+    def forward(self, x):
+        h = x.float()
+        centered = h - torch.mean(h, dim=-1, keepdim=True)
+        h = centered * torch.rsqrt((centered * centered).mean(-1, keepdim=True) + 1e-6)
+        return (h * self.weight + self.bias).type_as(x)
+
+
 NORMS = {
     "ln": (lambda: nn.LayerNorm(D), "layer_norm", "layer_norm"),
     "ln_nobias": (lambda: nn.LayerNorm(D, bias=False), "layer_norm", "layer_norm"),
@@ -104,6 +136,8 @@ NORMS = {
     "gemma": (lambda: GemmaRMSNorm(D), "rms_norm", "hand-written RMSNorm"),
     "t5": (lambda: T5LayerNorm(D), "rms_norm", "hand-written RMSNorm"),
     "gptfast": (lambda: GptFastRMSNorm(D), "rms_norm", "hand-written RMSNorm"),
+    "cohere": (lambda: CohereLayerNorm(D), "layer_norm", "hand-written LayerNorm"),
+    "handln": (lambda: HandLayerNorm(D), "layer_norm", "hand-written LayerNorm"),
 }
 
 
@@ -132,7 +166,10 @@ def test_plain_math_with_rsqrt_is_not_a_norm():
     class NotNorms(nn.Module):
         def forward(self, x):
             # no mean over the last dim, and a mean of x (not x²)
-            return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1) + x * torch.rsqrt(x.mean(-1, keepdim=True).abs() + 1)
+            out = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1) + x * torch.rsqrt(x.mean(-1, keepdim=True).abs() + 1)
+            # a variance around the row mean, multiplying x centred around another mean
+            var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
+            return out + (x - x.mean(0, keepdim=True)) * torch.rsqrt(var + 1)
 
     assert norm_sites(NotNorms(), torch.randn(2, D)) == []
 
@@ -148,6 +185,8 @@ def _hf_models():
                                                      vocab_size=128)),
         "t5": (t.T5EncoderModel, t.T5Config(d_model=64, d_ff=128, num_layers=1, num_heads=4, d_kv=16, vocab_size=128)),
         "gpt2": (t.GPT2LMHeadModel, t.GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=128)),
+        "cohere": (t.CohereForCausalLM, t.CohereConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                                       num_attention_heads=4, num_key_value_heads=2, vocab_size=128)),
     }
 
 
@@ -163,6 +202,9 @@ HF_EXPECTED = {
            ("encoder.final_layer_norm", "rms_norm", "hand-written RMSNorm")],
     "gpt2": [("transformer.h.0.ln_1", "layer_norm", "layer_norm"), ("transformer.h.0.ln_2", "layer_norm", "layer_norm"),
              ("transformer.ln_f", "layer_norm", "layer_norm")],
+    # parallel attention and MLP: one norm per layer
+    "cohere": [("model.layers.0.input_layernorm", "layer_norm", "hand-written LayerNorm"),
+               ("model.norm", "layer_norm", "hand-written LayerNorm")],
 }
 
 

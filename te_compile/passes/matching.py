@@ -13,13 +13,14 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-__all__ = ["CASTS", "MUL", "ADD", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
+__all__ = ["CASTS", "MUL", "ADD", "SUB", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
            "shape_of", "shape_text", "erased"]
 
 # dtype casts between floating-point dtypes
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
 MUL = (operator.mul, torch.mul, torch.Tensor.mul)
 ADD = (operator.add, torch.add, torch.Tensor.add)
+SUB = (operator.sub, torch.sub, torch.Tensor.sub)
 
 
 def method_or_name(node) -> Optional[str]:

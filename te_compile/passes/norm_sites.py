@@ -7,6 +7,9 @@ Forms, as they look after Dynamo:
     hand-written RMSNorm: v * rsqrt(mean(v * v or v ** 2, -1, keepdim) + eps), then optional casts
     and a product with a parameter (w, or 1 + w as Gemma's zero-centred gamma), then optional casts
                                                   HF Llama / Mistral / Qwen2 / Gemma / T5, gpt-fast
+    hand-written LayerNorm: the same around c = v - mean(v, -1, keepdim), i.e.
+    c * rsqrt(mean(c ** 2, -1, keepdim) + eps), with an optional bias added to the weight product
+                                                  HF Cohere / Cohere2 (Command R)
 
 A site is the node whose value is the norm's output (the last cast, or the weight product), which
 is what the linears after it read. Each site is also read as a ``NormSpec`` (kernels/norm_quantize.py)
@@ -25,7 +28,7 @@ import torch.fx as fx
 
 from ..kernels.norm_quantize import NormSpec
 from .graphs import GraphScope
-from .matching import ADD, CASTS, MUL, calls, dtype_of, erased, method_or_name, squared, strip_casts
+from .matching import ADD, CASTS, MUL, SUB, calls, dtype_of, erased, method_or_name, squared, strip_casts
 from .sites import module_fqn
 
 __all__ = ["NormSite", "find_norm_sites"]
@@ -40,7 +43,7 @@ class NormSite:
     node: fx.Node     # the norm's output
     op: str           # "layer_norm" | "rms_norm"
     fqn: str          # the norm module's path
-    form: str         # for the report: "layer_norm", "rms_norm", "hand-written RMSNorm"
+    form: str         # "layer_norm", "rms_norm", "hand-written RMSNorm", "hand-written LayerNorm"
     x: Optional[fx.Node] = None         # the norm's input
     weight: Optional[fx.Node] = None    # the parameter (not 1 + w: spec.zero_centered says so)
     bias: Optional[fx.Node] = None
@@ -48,8 +51,19 @@ class NormSite:
     why: Optional[str] = None
 
 
-def _rms_base(rsqrt: fx.Node) -> Optional[fx.Node]:
-    """v when ``rsqrt`` computes rsqrt(mean(v², -1, keepdim) + eps), else None."""
+def _centered(v) -> Optional[tuple[fx.Node, fx.Node]]:
+    """(h, m) when ``v`` is h - m with m = mean(h, ...) (h up to casts); else None."""
+    if not calls(v, SUB, "sub") or len(v.args) != 2 or v.kwargs:
+        return None
+    h, m = v.args
+    if isinstance(h, fx.Node) and method_or_name(m) == "mean" and m.args and strip_casts(m.args[0]) is strip_casts(h):
+        return h, m
+    return None
+
+
+def _norm_base(rsqrt: fx.Node) -> Optional[tuple[str, fx.Node, Optional[fx.Node]]]:
+    """What ``rsqrt`` normalizes: ("rms_norm", v, None) for rsqrt(mean(v², -1, keepdim) + eps),
+    ("layer_norm", h, m) when that v is h - m with m = mean(h) (a variance); else None."""
     arg = rsqrt.args[0] if rsqrt.args else None
     if not calls(arg, ADD, "add"):
         return None
@@ -57,7 +71,8 @@ def _rms_base(rsqrt: fx.Node) -> Optional[fx.Node]:
         if method_or_name(mean) == "mean" and mean.args:
             v = squared(mean.args[0])
             if v is not None:
-                return v
+                centered = _centered(v)
+                return ("rms_norm", v, None) if centered is None else ("layer_norm", *centered)
     return None
 
 
@@ -69,28 +84,50 @@ def _has_param(node, params) -> bool:
     return calls(node, ADD, "add") and any(strip_casts(a) in params for a in node.args)
 
 
-def _hand_rms(rsqrt: fx.Node, params) -> Optional[tuple[fx.Node, fx.Node, fx.Node, Optional[fx.Node]]]:
-    """(output, input, the x * rsqrt node, the weight product or None) of a hand-written RMSNorm
-    built around ``rsqrt``, or None."""
-    v = _rms_base(rsqrt)
-    if v is None:
+@dataclass
+class _HandNorm:
+    kind: str                       # "rms_norm" | "layer_norm"
+    out: fx.Node                    # the norm's output
+    x: fx.Node                      # its input (casts stripped)
+    normed: fx.Node                 # x * rstd, or (x - mean) * rstd
+    center: Optional[fx.Node]       # LayerNorm: the mean that is subtracted
+    product: Optional[fx.Node]      # the weight product
+    bias: Optional[fx.Node]         # LayerNorm: the bias add after the product
+
+
+def _hand_norm(rsqrt: fx.Node, params) -> Optional[_HandNorm]:
+    """The hand-written RMSNorm or LayerNorm built around ``rsqrt``, or None."""
+    found = _norm_base(rsqrt)
+    if found is None:
         return None
+    kind, v, center = found
     # T5 squares a cast copy and multiplies the uncast input: compare with casts stripped
     base = strip_casts(v)
+
+    def centered_input(a) -> bool:
+        if kind == "rms_norm":
+            return strip_casts(a) is base
+        # Cohere writes (h - mean) twice: the variance's and the product's are two nodes
+        c = _centered(a)
+        return a is v or (c is not None and c[1] is center and strip_casts(c[0]) is base)
+
     normed = next((u for u in rsqrt.users
-                   if calls(u, MUL, "mul") and any(strip_casts(a) is base for a in u.args if a is not rsqrt)),
-                  None)
+                   if calls(u, MUL, "mul") and any(centered_input(a) for a in u.args if a is not rsqrt)), None)
     if normed is None:
         return None
-    # casts, at most one product with the weight, casts
+    # casts, at most one product with the weight (LayerNorm: and a bias added to it), casts
     out = _after_casts(normed)
     users = list(out.users)
-    product = None
+    product = bias = None
     if len(users) == 1 and calls(users[0], MUL, "mul") and any(
             _has_param(a, params) for a in users[0].args if a is not out):
-        product = users[0]
-        out = _after_casts(product)
-    return out, base, normed, product
+        product = out = users[0]
+        users = list(out.users)
+        if kind == "layer_norm" and len(users) == 1 and calls(users[0], ADD, "add") and any(
+                strip_casts(a) in params for a in users[0].args if a is not out):
+            bias = out = users[0]
+        out = _after_casts(out)
+    return _HandNorm(kind, out, base, normed, center, product, bias)
 
 
 def _after_casts(node: fx.Node) -> fx.Node:
@@ -145,16 +182,20 @@ def _parse_library(site: NormSite, node: fx.Node) -> None:
         _set_spec(site, site.op, float(eps), prod_dtype=dtype)
 
 
-def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
-                    product: Optional[fx.Node], params) -> None:
-    site.x = x
+def _last_dim_mean(mean: fx.Node) -> bool:
+    """``mean`` is over the last dim alone, with keepdim."""
+    dim = _arg(mean, 1, "dim")
+    rank = getattr(mean.args[0].meta.get("example_value"), "ndim", None)
+    return (dim in (-1, [-1], (-1,)) or (rank is not None and dim in (rank - 1, [rank - 1], (rank - 1,)))) \
+        and bool(_arg(mean, 2, "keepdim", False))
+
+
+def _parse_hand_norm(site: NormSite, rsqrt: fx.Node, found: _HandNorm, params) -> None:
+    site.x = found.x
     add = rsqrt.args[0]
     eps = next((a for a in add.args if not isinstance(a, fx.Node)), None)
     mean = next(a for a in add.args if isinstance(a, fx.Node))
-    dim = _arg(mean, 1, "dim")
-    rank = getattr(mean.args[0].meta.get("example_value"), "ndim", None)
-    if not (dim in (-1, [-1], (-1,)) or (rank is not None and dim in (rank - 1, [rank - 1], (rank - 1,)))) \
-            or not _arg(mean, 2, "keepdim", False):
+    if not all(_last_dim_mean(m) for m in (mean, found.center) if m is not None):
         site.why = "the mean is not over the last dim with keepdim"
         return
     if not isinstance(eps, (int, float)):
@@ -163,9 +204,10 @@ def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
     if dtype_of(rsqrt) != torch.float32:
         site.why = f"computes in {dtype_of(rsqrt)} (fusion computes norms in float32)"
         return
-    pre_end = _after_casts(normed)
+    pre_end = _after_casts(found.normed)
+    product = found.product
     if product is None:
-        _set_spec(site, "rms_norm", float(eps), casts=_casts_between(normed, site.node))
+        _set_spec(site, found.kind, float(eps), casts=_casts_between(found.normed, site.node))
         return
     w_expr = next(a for a in product.args if a is not pre_end)
     inner = strip_casts(w_expr)
@@ -179,11 +221,20 @@ def _parse_hand_rms(site: NormSite, rsqrt: fx.Node, x: fx.Node, normed: fx.Node,
     if any(dtype_of(n) not in (torch.float32, dtype_of(inner)) for n in _chain(w_expr, inner)):
         site.why = "the weight is cast to a lower precision before the product"
         return
+    last = product
+    if found.bias is not None:
+        b_expr = next(a for a in found.bias.args if a is not product)
+        site.bias = strip_casts(b_expr)
+        # the kernels add the bias to the fp32 product and round once
+        if dtype_of(product) != torch.float32 or dtype_of(found.bias) != torch.float32:
+            site.why = "the bias is added in low precision"
+            return
+        last = found.bias
     site.weight = inner
     pre = dtype_of(pre_end)
-    _set_spec(site, "rms_norm", float(eps), zero_centered=zero_centered,
-              pre_dtype=None if pre == torch.float32 else pre, prod_dtype=dtype_of(product),
-              casts=_casts_between(product, site.node))
+    _set_spec(site, found.kind, float(eps), zero_centered=zero_centered,
+              pre_dtype=None if pre == torch.float32 else pre, prod_dtype=dtype_of(last),
+              casts=_casts_between(last, site.node))
 
 
 def _set_spec(site: NormSite, *args, **kwargs) -> None:
@@ -217,9 +268,9 @@ def find_norm_sites(scope: GraphScope) -> Iterator[NormSite]:
             _parse_library(site, node)
             yield site
         elif method_or_name(node) == "rsqrt":
-            found = _hand_rms(node, scope.params)
+            found = _hand_norm(node, scope.params)
             if found is not None:
-                out, x, normed, product = found
-                site = NormSite(out, "rms_norm", scope.fqn(module_fqn(node)), "hand-written RMSNorm")
-                _parse_hand_rms(site, node, x, normed, product, scope.params)
+                form = "hand-written RMSNorm" if found.kind == "rms_norm" else "hand-written LayerNorm"
+                site = NormSite(found.out, found.kind, scope.fqn(module_fqn(node)), form)
+                _parse_hand_norm(site, node, found, scope.params)
                 yield site
