@@ -344,3 +344,32 @@ def test_a_hand_written_layer_norm_adding_its_bias_in_bf16_stays_unfused():
     [row] = [r for r in te_compile.report().sites if r.op != "linear"]
     assert (row.fqn, row.op, row.rewritten) == ("0", "layer_norm", False)
     assert row.reason == "the bias is added in low precision (left unfused)"
+
+
+def test_an_eps_that_dynamo_made_a_graph_input_is_reported_with_the_fix(monkeypatch):
+    """Dynamo compiles a frame again for a second model whose norm has another eps and makes that float
+    a graph input: the norm stays unfused and the report names the setting that keeps it constant."""
+    class Norm(nn.Module):
+        def __init__(self, eps: float) -> None:
+            super().__init__()
+            self.weight, self.eps = nn.Parameter(torch.ones(D)), eps
+
+        def forward(self, x):
+            h = x.float()
+            return self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def fused(eps: float) -> tuple[bool, str]:
+        te_compile.reset()
+        model = nn.Sequential(Norm(eps), nn.Linear(D, D))
+        torch.compile(model, backend=te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager"))(
+            torch.randn(4, D))
+        [row] = [r for r in te_compile.report().sites if r.op == "rms_norm"]
+        return row.rewritten, row.reason
+
+    torch._dynamo.reset()
+    assert fused(1e-6)[0]
+    rewritten, reason = fused(1e-5)
+    assert not rewritten and "torch._dynamo.config.specialize_float = True" in reason, reason
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
+    assert fused(1e-6)[0] and fused(1e-5)[0]

@@ -149,6 +149,13 @@ def _casts_between(start: fx.Node, end: fx.Node) -> tuple[torch.dtype, ...]:
     return tuple(reversed(dtypes))
 
 
+# A float attribute (a norm's eps) is a constant in the first graph of a frame; when Dynamo compiles
+# the same code again with another value (a second model whose norms share the class's forward), it
+# makes the float a graph input, whose value the fused kernels cannot bake in.
+_NOT_CONSTANT = ("eps is not a constant (a graph input: Dynamo makes a float one when it recompiles the same "
+                 "code for another value; torch._dynamo.config.specialize_float = True keeps it constant)")
+
+
 def _arg(node: fx.Node, i: int, name: str, default=None):
     return node.args[i] if len(node.args) > i else node.kwargs.get(name, default)
 
@@ -175,7 +182,7 @@ def _parse_library(site: NormSite, node: fx.Node) -> None:
     if not _last_dim_only(shape, site.x):
         site.why = "normalizes over several dims (fusion covers the last dim)"
     elif not isinstance(eps, (int, float)):
-        site.why = "eps is not a constant"
+        site.why = _NOT_CONSTANT
     elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
         site.why = f"output dtype {dtype}"
     else:
@@ -199,7 +206,7 @@ def _parse_hand_norm(site: NormSite, rsqrt: fx.Node, found: _HandNorm, params) -
         site.why = "the mean is not over the last dim with keepdim"
         return
     if not isinstance(eps, (int, float)):
-        site.why = "eps is not a constant"
+        site.why = _NOT_CONSTANT
         return
     if dtype_of(rsqrt) != torch.float32:
         site.why = f"computes in {dtype_of(rsqrt)} (fusion computes norms in float32)"
