@@ -192,3 +192,35 @@ def test_the_recipe_state_dict_loads_with_weights_only(tmp_path):
     te_compile.load_recipe_state_dict(fresh, loaded)
     for key, value in te_compile.recipe_state_dict(model).items():
         assert_bitwise_equal(te_compile.recipe_state_dict(fresh)[key], value, key)
+
+
+def test_in_place_ops_that_nothing_reads_keep_their_effect():
+    """Dynamo keeps an in-place op whose result nothing reads for its effect on a buffer read later
+    (HF DeepSeek-V3 builds its keys by copy_ into slices of new_empty). fx calls copy_ / relu_ / add_
+    pure, and the passes' dead-code sweep used to drop them: the linear then read uninitialized
+    memory (NaN losses on DeepSeek-V3)."""
+    class InPlace(TwoLinears):
+        def forward(self, x):
+            h = self.fc(x)
+            k = h.new_empty(h.shape)
+            k[..., : N // 2].copy_(h[..., N // 2:])
+            k[..., N // 2:].copy_(h[..., : N // 2])
+            k.add_(1.0)
+            torch.relu_(k)
+            return self.proj(k)
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = InPlace()
+    x = torch.randn(4, K)
+    y = torch.compile(model, backend="te", options={"compiler": "aot_eager"})(x)
+    y.sum().backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads), "fc's output no longer reaches the loss: the copies were dropped"
+    model.zero_grad(set_to_none=True)
+    with Fp8Reference():
+        ref = model(x)
+        ref.sum().backward()
+    assert_sqnr_at_least(ref, y, 60.0, "forward")
+    for p, g in zip(model.parameters(), grads):
+        assert_sqnr_at_least(p.grad, g, 40.0, "gradient")

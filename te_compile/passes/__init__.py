@@ -92,13 +92,17 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     except ValueError as e:
         raise ConfigError(f"{config.source}: distributed.{e}") from None
     scopes = graph_scopes(gm, example_inputs)
+    # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
+    # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
+    effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
     ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)
     extra_inputs = ctx.delayed.finish()
     for scope in scopes:
-        scope.graph.eliminate_dead_code()
+        # only what the passes left unread goes
+        scope.graph.eliminate_dead_code(is_impure_node=lambda n: n in effects or n.is_impure())
     cacheable = publish_lowerings([scope.gm for scope in scopes])
     for scope in scopes:
         scope.graph.lint()
