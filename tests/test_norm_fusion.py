@@ -346,7 +346,7 @@ def test_a_hand_written_layer_norm_adding_its_bias_in_bf16_stays_unfused():
     assert row.reason == "the bias is added in low precision (left unfused)"
 
 
-def test_an_eps_that_dynamo_made_a_graph_input_is_reported_with_the_fix(monkeypatch):
+def test_an_eps_that_dynamo_made_a_graph_input_is_reported_with_the_fix():
     """Dynamo compiles a frame again for a second model whose norm has another eps and makes that float
     a graph input: the norm stays unfused and the report names the setting that keeps it constant."""
     class Norm(nn.Module):
@@ -371,5 +371,5 @@ def test_an_eps_that_dynamo_made_a_graph_input_is_reported_with_the_fix(monkeypa
     rewritten, reason = fused(1e-5)
     assert not rewritten and "torch._dynamo.config.specialize_float = True" in reason, reason
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
-    assert fused(1e-6)[0] and fused(1e-5)[0]
+    with torch._dynamo.config.patch(specialize_float=True):
+        assert fused(1e-6)[0] and fused(1e-5)[0]
