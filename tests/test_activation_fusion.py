@@ -98,6 +98,37 @@ def test_activation_with_other_readers_or_another_recipe_stays_unfused():
         ("relu", False, "down2: recipe MXFP8BlockScaling (activation fusion covers the per-tensor FP8 recipes)")]
 
 
+def test_an_activation_input_written_in_place_before_the_linear_stays_unfused():
+    """The fused call applies the activation where the linear runs; a write into its input between the
+    two (allowed by autograd under no_grad) would reach the activation's output only when fused, so
+    it stays unfused (11 dB from the unfused path before the check)."""
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.down = nn.Linear(D, H), nn.Linear(H, D)
+
+        def forward(self, x):
+            h = self.up(x)
+            a = F.gelu(h)
+            h.mul_(3.0)
+            return self.down(a) + h[..., :D]
+
+    torch.manual_seed(0)
+    model, x = Scaled(), torch.randn(2, 8, D)
+    outs = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        te_compile.reset()
+        compiled = torch.compile(model, backend=te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager",
+                                                                  rewrite={"activation": fuse}))
+        with torch.no_grad():
+            outs.append(compiled(x))
+        if fuse:
+            [row] = [s for s in te_compile.report().sites if s.op == "gelu"]
+            assert not row.rewritten and row.reason == "down: its input is written in place (mul_) before the linear runs"
+    assert_bitwise_equal(outs[0], outs[1], "y")
+
+
 @pytest.mark.parametrize("arch, op", [("llama", "swiglu"), ("gemma", "geglu")])
 def test_hugging_face_gated_mlps_fuse_with_bit_exact_loss(arch, op):
     transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")

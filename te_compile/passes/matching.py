@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["CASTS", "MUL", "ADD", "SUB", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
-           "shape_of", "shape_text", "erased"]
+           "shape_of", "shape_text", "erased", "in_place_writes"]
 
 # dtype casts between floating-point dtypes
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
@@ -86,3 +86,48 @@ def shape_text(name: str, node) -> Optional[str]:
     """``name[d0, d1, ...]`` of ``node``'s example value, for the report; None when it has none."""
     shape = shape_of(node)
     return None if shape is None else f"{name}[{', '.join(str(d) for d in shape)}]"
+
+
+# in-place operators on tensors (``x += y`` on a tensor Dynamo could not rebind) and item assignment
+_IN_PLACE_OPERATORS = (operator.setitem, operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                       operator.ifloordiv, operator.ipow, operator.iand, operator.ior, operator.ixor)
+
+
+def _writes_first_argument(node: fx.Node) -> bool:
+    """``node`` writes into its first argument: ``x.add_(1)``, ``torch.relu_(x)``, ``x[i] = v``,
+    ``x += y``, ``F.relu(x, inplace=True)``."""
+    if node.op == "call_function" and node.target in _IN_PLACE_OPERATORS:
+        return True
+    name = method_or_name(node)
+    if name is not None and name.endswith("_") and not name.endswith("__"):
+        return True
+    return node.kwargs.get("inplace") is True
+
+
+def _aliases(value, base: torch.Tensor) -> bool:
+    values = value if isinstance(value, (tuple, list)) else (value,)
+    return any(isinstance(v, torch.Tensor) and torch._C._is_alias_of(v, base) for v in values)
+
+
+def in_place_writes(node: fx.Node) -> list[fx.Node]:
+    """The in-place ops that write into ``node``'s value or a view of it, in no particular order.
+
+    A pass that moves a computation across the graph (a fused norm placed after its operands, an
+    activation recomputed at its linear) must not move it past one of these. Views are followed by
+    aliasing, as Dynamo's example values record it: a no-op ``.to()`` or a ``split`` aliases, a
+    real cast does not."""
+    base = value_of(node)
+    if base is None:
+        return []
+    writes, seen, todo = [], {node}, [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if _writes_first_argument(user) and user.args and user.args[0] is current:
+                writes.append(user)
+            if _aliases(user.meta.get("example_value"), base):   # a view, or the in-place op's result
+                todo.append(user)
+    return writes
