@@ -169,7 +169,9 @@ def test_plain_math_with_rsqrt_is_not_a_norm():
             out = x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + 1) + x * torch.rsqrt(x.mean(-1, keepdim=True).abs() + 1)
             # a variance around the row mean, multiplying x centred around another mean
             var = (x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True)
-            return out + (x - x.mean(0, keepdim=True)) * torch.rsqrt(var + 1)
+            out = out + (x - x.mean(0, keepdim=True)) * torch.rsqrt(var + 1)
+            # x itself, not x - mean, divided by that standard deviation
+            return out + x * torch.rsqrt((x - x.mean(-1, keepdim=True)).pow(2).mean(-1, keepdim=True) + 1)
 
     assert norm_sites(NotNorms(), torch.randn(2, D)) == []
 

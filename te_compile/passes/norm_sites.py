@@ -107,9 +107,9 @@ def _hand_norm(rsqrt: fx.Node, params) -> Optional[_HandNorm]:
     def centered_input(a) -> bool:
         if kind == "rms_norm":
             return strip_casts(a) is base
-        # Cohere writes (h - mean) twice: the variance's and the product's are two nodes
+        # the variance's own h - mean, or (Cohere) a second one of the same mean
         c = _centered(a)
-        return a is v or (c is not None and c[1] is center and strip_casts(c[0]) is base)
+        return c is not None and c[1] is center and strip_casts(c[0]) is base
 
     normed = next((u for u in rsqrt.users
                    if calls(u, MUL, "mul") and any(centered_input(a) for a in u.args if a is not rsqrt)), None)
