@@ -27,7 +27,7 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
-from .matching import MUL, calls, erased, in_place_writes, method_or_name, shape_of, shape_text, squared
+from .matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
 from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .sites import module_fqn
 
@@ -98,12 +98,8 @@ def _why_not(reader: Reader, readers: Readers, inputs: tuple, act: fx.Node) -> O
 def _written_before(act: fx.Node, linear: fx.Node, inputs: tuple) -> Optional[str]:
     """The fused call applies the activation where the linear runs: an in-place write into its
     input (or a view of it) between the two would reach the linear, not the activation."""
-    writes = [w for t in inputs if t is not None for w in in_place_writes(t)]
-    if not writes:
-        return None
-    order = {n: i for i, n in enumerate(act.graph.nodes)}
-    between = sorted({method_or_name(w) or str(w.target) for w in writes if order[act] < order[w] < order[linear]})
-    return f"its input is written in place ({', '.join(between)}) before the linear runs" if between else None
+    names = sorted({name for t in inputs if t is not None for name in written_between(t, act, linear)})
+    return f"its input is written in place ({', '.join(names)}) before the linear runs" if names else None
 
 
 def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:

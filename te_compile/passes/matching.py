@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 __all__ = ["CASTS", "MUL", "ADD", "SUB", "method_or_name", "calls", "strip_casts", "squared", "value_of", "dtype_of",
-           "shape_of", "shape_text", "erased", "in_place_writes"]
+           "shape_of", "shape_text", "erased", "in_place_writes", "written_between"]
 
 # dtype casts between floating-point dtypes
 CASTS = ("to", "type", "type_as", "float", "half", "bfloat16")
@@ -131,3 +131,16 @@ def in_place_writes(node: fx.Node) -> list[fx.Node]:
             if _aliases(user.meta.get("example_value"), base):   # a view, or the in-place op's result
                 todo.append(user)
     return writes
+
+
+def written_between(node: fx.Node, after: fx.Node, before: fx.Node,
+                    order: Optional[dict[fx.Node, int]] = None) -> list[str]:
+    """The names of the in-place ops writing ``node``'s value (or a view of it) that run after
+    ``after`` and before ``before`` in graph order, sorted. ``order``: each node's position, when the
+    caller has it (built here only if there are writes)."""
+    writes = in_place_writes(node)
+    if not writes:
+        return []
+    if order is None:
+        order = {n: i for i, n in enumerate(node.graph.nodes)}
+    return sorted({method_or_name(w) or str(w.target) for w in writes if order[after] < order[w] < order[before]})

@@ -24,7 +24,7 @@ from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
-from .matching import in_place_writes, method_or_name, shape_text
+from .matching import method_or_name, shape_text, written_between
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name, view_inputs
 
 if TYPE_CHECKING:
@@ -91,14 +91,14 @@ def fuse_norms(ctx: "PassContext", scope: GraphScope) -> int:
                 chosen.append(r)
             else:
                 left.append((r, why))
-        recipe = chosen[0].node.target.spec.recipe.name if chosen else None
-        written = _written_in_place(site, chosen, order)
-        if written is not None:
-            _record(ctx, scope, site, False, written, recipe)
-            continue
         if not chosen:
             _record(ctx, scope, site, False, "; ".join(f"{linear_name(r)}: {why}" for r, why in left),
                     left[0][0].node.target.spec.recipe.name)
+            continue
+        recipe = chosen[0].node.target.spec.recipe.name
+        written = _written_in_place(site, chosen, order)
+        if written is not None:
+            _record(ctx, scope, site, False, written, recipe)
             continue
         reason = _fuse(scope, site, chosen, left, order)
         _record(ctx, scope, site, True, reason, recipe)
@@ -110,14 +110,11 @@ def _written_in_place(site: NormSite, chosen: list[Reader], order: dict[fx.Node,
     """Why the norm must stay unfused when an in-place op writes into its input or output (or a view
     of them) while the fused call would be in flight: the call computes the norm from x where its
     operands are ready and hands the linears its FP8 operand, so it would miss that write."""
-    if not chosen:
-        return None
-    end = max(order[r.node] for r in chosen)
+    last = max((r.node for r in chosen), key=order.__getitem__)
     for what, node in (("input", site.x), ("output", site.node)):
-        writes = [w for w in in_place_writes(node) if order[node] < order[w] < end]
-        if writes:
-            names = ", ".join(sorted({method_or_name(w) or str(w.target) for w in writes}))
-            return f"its {what} is written in place ({names}) before its FP8 readers run (left unfused)"
+        names = written_between(node, node, last, order)
+        if names:
+            return f"its {what} is written in place ({', '.join(names)}) before its FP8 readers run (left unfused)"
     return None
 
 
