@@ -12,7 +12,7 @@ from torch._guards import detect_fake_mode
 
 from .config import ConfigError, TeConfig, config_argument, resolve_config
 from .passes import run_passes
-from .report import Report, _next_graph_id, _record
+from .report import Report, add_records, next_graph_id
 
 __all__ = ["te_backend", "backend"]
 
@@ -73,7 +73,7 @@ def _per_call(compiled: Callable, result) -> Callable:
         if instances is not None:
             rows = instances.check(args)
             if rows:
-                _record(rows)
+                add_records(rows)
         return compiled(*args, *result.extra_tensors(args)) if result.extra_inputs else compiled(*args)
 
     return run
@@ -97,7 +97,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
     gm = _private_copy(gm)
     try:
-        result = run_passes(gm, example_inputs, config, graph_id=_next_graph_id())
+        result = run_passes(gm, example_inputs, config, graph_id=next_graph_id())
     except ConfigError as e:   # e.g. an amax group this rank is not in: our message first
         raise CompileConfigError(str(e)) from None
     records = result.records
@@ -105,7 +105,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # compiler raises then, and only a compile that went through is reported.
     extra = _static_examples(result.extra_tensors(example_inputs), example_inputs)
     compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode, result.cacheable), result)
-    _record(records)
+    add_records(records)
     if result.instances is not None:
         result.instances.seen.add(id(example_inputs[result.instances.anchor_index]))
     if records:

@@ -7,7 +7,7 @@ from typing import Optional
 
 from tabulate import tabulate
 
-__all__ = ["SiteRecord", "Report", "report", "reset"]
+__all__ = ["SiteRecord", "Report", "report", "reset", "add_records", "next_graph_id"]
 
 _SHOWN = 5  # sites left in high precision named per summary line
 
@@ -92,9 +92,11 @@ def reset() -> None:
     _REPORT.sites.clear()
 
 
-def _record(records: list[SiteRecord]) -> None:
+def add_records(records: list[SiteRecord]) -> None:
+    """Append the rows of a compiled graph (the backend, once the graph compiled)."""
     _REPORT.sites.extend(records)
 
 
-def _next_graph_id() -> int:
+def next_graph_id() -> int:
+    """The number the next compiled graph's rows carry: one past the highest recorded."""
     return 1 + max((s.graph for s in _REPORT.sites), default=-1)
