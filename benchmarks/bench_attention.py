@@ -2,7 +2,7 @@
 saved for the backward, and the error against fp32 SDPA, measured side by side in one run.
 
     python benchmarks/bench_attention.py                          # CPU: 2x8x512x64, causal, fp32
-    python benchmarks/bench_attention.py --device cuda            # the shape: 4x32x4096x128, bf16
+    python benchmarks/bench_attention.py --device cuda            # the goal's shape: 4x32x4096x128, bf16
 
 Providers: ``sdpa`` (torch.compile with inductor: torch's flash / math SDPA), ``te fp8 (hp bwd)`` and
 ``te fp8 (fp8 bwd)`` (torch.compile(backend="te") with ``fp8_dpa``), and on CUDA with the

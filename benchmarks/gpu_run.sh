@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The first work for a lent GPU (issues 18 and 19), cut into parts meant to fit one device call
+# The first work for a lent GPU, cut into parts meant to fit one device call
 # each (10 minutes; none has been timed on a GPU yet), so that a short lease goes to running:
 #
 #   bash benchmarks/gpu_run.sh tests      # the CUDA-path and kernel tests

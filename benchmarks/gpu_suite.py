@@ -1,4 +1,4 @@
-"""The GPU suite: one command for the speed figures issue 17 asks of a lent GPU, appended to BENCHMARKS.md.
+"""The GPU suite: one command for the speed figures to measure on a lent GPU, appended to BENCHMARKS.md.
 
     python benchmarks/gpu_suite.py                    # CUDA: everything, appended to BENCHMARKS.md
     python benchmarks/gpu_suite.py --device cpu       # tiny shapes, to keep the script working
@@ -15,15 +15,15 @@ Five parts, each provider measured side by side in this one run:
   per byte copied);
 - epilogue: one FP8 GEMM whose output the next FP8 linear reads, at M = K = N = 4096 and 8192 (CPU:
   128): torch._scaled_mm then inductor's amax and FP8 cast (what the lowerings run today) vs the
-  Triton GEMM whose epilogue writes the amax and the FP8 bytes (kernels/fp8_gemm.py), and
+  Triton GEMM whose epilogue writes the amax and the FP8 bytes (experiments/fp8_gemm.py), and
   torch._scaled_mm alone; it decides whether the lowerings should call the Triton GEMM;
-- norm: RMSNorm fused with per-tensor FP8 quantization (issue 15) at 4096 x 16384 bf16 (CPU: 256 x
+- norm: RMSNorm fused with per-tensor FP8 quantization at 4096 x 16384 bf16 (CPU: 256 x
   512): te's kernels (a stats pass, then one pass writing the rowwise and transposed FP8 bytes) under
   current and delayed scaling vs inductor's RMSNorm alone and inductor's RMSNorm-then-quantize.
 
-The goals (issue 17, H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
+The goals (H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
 (TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
-quantize ≥ 85% of copy bandwidth; and (issue 15) the fused RMSNorm + quantize forward ≤ 1.1× RMSNorm
+quantize ≥ 85% of copy bandwidth; and the fused RMSNorm + quantize forward ≤ 1.1× RMSNorm
 alone under delayed scaling, ≤ 1.6× under current scaling (Liger's RMSNorm: 0.095 ms published at
 that shape) and ≥ 1.3× faster than RMSNorm-then-quantize. On CUDA the tables are appended to
 BENCHMARKS.md with the date, the device and the torch / Triton / CUDA versions (``--no-append`` to
@@ -41,13 +41,16 @@ from typing import Callable, Optional
 import torch
 from tabulate import tabulate
 
+# the repository root, for the experiments package (the script runs as python benchmarks/gpu_suite.py)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 import _common
 import bench_block
 import bench_linear
+from experiments.fp8_cast_transpose import fp8_cast_transpose
+from experiments.fp8_gemm import fp8_gemm_amax
+from te_compile.gemm import fp8_gemm
 from te_compile.kernels.float8_block_quantize import float8_block_quantize
-from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose
-from te_compile.kernels.fp8_gemm import fp8_gemm_amax
-from te_compile.lowerings.gemm import fp8_gemm
 from te_compile.kernels.mxfp8_quantize import mxfp8_quantize
 from te_compile.kernels.norm_quantize import NormSpec, norm_quantize, norm_stats
 from te_compile.kernels.nvfp4_quantize import nvfp4_quantize
@@ -187,7 +190,7 @@ def epilogue_rows(device, args) -> list[dict]:
     return rows
 
 
-# ---- norm: RMSNorm + per-tensor FP8 quantization (issue 15) -------------------------------------------
+# ---- norm: RMSNorm + per-tensor FP8 quantization -------------------------------------------------
 
 _EPS = 1e-6
 

@@ -144,7 +144,7 @@ class TeConfig:
     overrides: tuple[Override, ...] = ()  # first match wins
     # "aot_eager" skips inductor codegen: much faster to compile, for debugging the rewrites
     compiler: str = "inductor"
-    # Block-scaled recipes: native GEMMs where the device passes block_gemm_probe's self-test; False
+    # Block-scaled recipes: native GEMMs where the device passes gemm/block_probe.py's self-test; False
     # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
     native_block_gemm: bool = True
     distributed: DistributedConfig = DistributedConfig()
@@ -280,7 +280,7 @@ def _build_recipe(value: Any, options: Any, key: str, source: str) -> Optional[R
 
     options = _table(options if options is not None else {}, options_key, source)
     hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls)]
+    names = cls.option_names()
     kwargs = {}
     for name, option in options.items():
         if name not in names:
@@ -423,7 +423,7 @@ def _layer_options(base: Mapping, inline: Mapping, source: str) -> dict:
     elif "recipe_options" in base and "recipe_options" not in inline:
         del merged["recipe_options"]
 
-    allowed = [f.name for f in fields(RECIPES[name])] if name in RECIPES else []
+    allowed = RECIPES[name].option_names() if name in RECIPES else []
     for key in layers[-1]:
         # With an unknown recipe name, config_from_dict reports the name rather than this key.
         if key not in allowed and (name in RECIPES or name == "none"):

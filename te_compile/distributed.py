@@ -4,7 +4,7 @@ Two kinds of reduction keep FP8 scales right when a model runs on several ranks:
 - Delayed scaling keeps amax histories per weight. Each rank sees other data (DDP) or another shard
   (tensor parallel), so without a reduction the histories and scales drift apart. The amaxes a graph
   records are all-reduced with MAX over the *amax group* before they enter the histories: one
-  coalesced all-reduce per graph and step (lowerings/delayed_update.py).
+  coalesced all-reduce per graph and step (lowerings/delayed_state.py).
 - Current scaling computes a tensor's scale from its own amax. For a tensor sharded across ranks
   (a row-parallel input, sequence-parallel activations, a sharded weight) the local amax is only
   part of it: the amax is all-reduced over the group the tensor is sharded on first, so each rank's
@@ -22,15 +22,23 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .state import STATE_ROLES
+from .recipe import GEMM_ROLES
 
-__all__ = ["AmaxGroup", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
-           "reduce_amaxes", "describe_groups", "describe_role_groups"]
+__all__ = ["AmaxGroup", "NO_GROUPS", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
+           "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value"]
 
-# The roles of a linear whose amaxes may need a reduction, in the order of per-role group tuples
-# (the order of the recipe state and of delayed scaling's amax carriers too).
-ROLES = STATE_ROLES
 
+def is_dtensor(t) -> bool:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
+def local_value(t):
+    """A DTensor's local shard (a fake one at compile time); anything else as it is."""
+    return t._local_tensor if is_dtensor(t) else t
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,10 @@ class AmaxGroup:
 
     def covers(self, other: "AmaxGroup") -> bool:
         return set(other.ranks) <= set(self.ranks)
+
+
+# Per role of a linear's GEMMs (GEMM_ROLES), no group: one process, or nothing to reduce.
+NO_GROUPS: tuple[tuple[AmaxGroup, ...], ...] = ((), (), ())
 
 
 def _group(pg, label: str) -> Optional[AmaxGroup]:
@@ -116,7 +128,7 @@ def minimal_groups(groups) -> tuple[AmaxGroup, ...]:
 
 
 def merge_role_groups(*per_role) -> tuple[tuple[AmaxGroup, ...], ...]:
-    """Per role (ROLES), the minimal union of the groups each argument (a per-role tuple) names."""
+    """Per role (GEMM_ROLES), the minimal union of the groups each argument (a per-role tuple) names."""
     return tuple(minimal_groups(g for groups in role for g in groups) for role in zip(*per_role))
 
 
@@ -157,7 +169,7 @@ def describe_groups(groups: Sequence[AmaxGroup]) -> str:
 def describe_role_groups(per_role: Sequence[Sequence[AmaxGroup]]) -> str:
     """For the report: "amax all-reduce over tp (2 ranks): weight, grad_output", one clause per group."""
     by_group: dict[AmaxGroup, list[str]] = {}
-    for role, groups in zip(ROLES, per_role):
+    for role, groups in zip(GEMM_ROLES, per_role):
         for g in groups:
             by_group.setdefault(g, []).append(role)
     return "; ".join(f"amax all-reduce over {g}: {', '.join(roles)}" for g, roles in by_group.items())

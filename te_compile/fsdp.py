@@ -51,10 +51,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
-from .lowerings.fp8_linear import _quantize_per_tensor
-from .passes.eligibility import weight_ineligibility
-from .primary_weights import weight_quantizer
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from .quantization import quantize_per_tensor, weight_ineligibility, weight_quantizer
 from .scaling import tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather
@@ -62,9 +59,6 @@ from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_pos
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
 aten = torch.ops.aten
-
-# Recipes whose weights gather in their block format (the others: per-tensor FP8 or not at all).
-BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
 
 # Ops that make another view or copy of the same weight: their result stays a wrapper, so the
 # shards FSDP2 cuts out of a wrapped parameter (split, new_zeros, slice, copy_, view) keep the
@@ -85,10 +79,10 @@ class _Slot:
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
         # block formats: the weight quantizer (scales are per block: shards need no amax reduction)
-        self.block_quantizer = weight_quantizer(recipe) if isinstance(recipe, BLOCK_RECIPES) else None
+        self.block_quantizer = weight_quantizer(recipe) if recipe.weight_gather_block_rows else None
         # delayed scaling: the quantizer with the weight's state (its scale), carried to the gathered weight
         self.quantizer: Optional[Float8Quantizer] = (
-            weight_quantizer(recipe, getattr(module, name), fqn) if isinstance(recipe, DelayedScaling) else None)
+            weight_quantizer(recipe, getattr(module, name), fqn) if recipe.delayed() else None)
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
         """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right
@@ -217,7 +211,7 @@ class Fp8AllGatherWeight(torch.Tensor):
         # the lowering's own quantization of a weight, with the whole weight's amax: the bytes one
         # process quantizing the unsharded weight would make
         scale = None if slot.quantizer is None else slot.quantizer.scale   # delayed: the graph's scale
-        data, scale_inv, _ = _quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, scale, amax)
+        data, scale_inv, _ = quantize_per_tensor(self._tensor.to(dtype), "weight", slot.recipe, scale, amax)
         # then gathered as a Float8Tensor shard gathers itself; delayed scaling's weight carries the
         # whole weight's amax for the graph's history (current scaling: none)
         shard = Float8Tensor(data=data.view(torch.uint8), scale_inv=scale_inv, fp8_dtype=data.dtype, dtype=dtype,
@@ -247,11 +241,12 @@ def _block_shard_problem(weight: torch.Tensor, recipe) -> Optional[str]:
     shards even: FSDP2 pads uneven shards to one size for every gathered buffer."""
     import torch.distributed as dist
 
-    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
-        return "Float8BlockScaling with 1x128 weight blocks: its columnwise copy cannot be gathered"
+    if (problem := recipe.primary_weight_problem()) is not None:
+        return (f"{problem}; an FP8 all-gather needs the same, since the gathered weight rebuilds its "
+                f"columnwise copy from the rowwise one")
     if not dist.is_initialized():
         return "block formats need the process group initialized first (to check the shards)"
-    world, block = dist.get_world_size(), 32 if isinstance(recipe, MXFP8BlockScaling) else 128
+    world, block = dist.get_world_size(), recipe.weight_gather_block_rows
     rows = weight.shape[0]
     if rows % (world * block):
         return (f"weight {list(weight.shape)}: {rows} rows do not split into whole {block}-row blocks over "
@@ -269,7 +264,7 @@ def _linear_weights(model: nn.Module, config: TeConfig):
         recipe, _ = config.recipe_for(fqn)
         if not config.rewrite.linear:
             skipped[fqn] = "[rewrite] linear = false"
-        elif not isinstance(recipe, (Float8CurrentScaling, DelayedScaling, *BLOCK_RECIPES)):
+        elif not (recipe is not None and (recipe.per_tensor or recipe.weight_gather_block_rows)):
             name = recipe.name if recipe is not None else "none"
             skipped[fqn] = (f"recipe {name}: FP8 all-gather supports Float8CurrentScaling, DelayedScaling, "
                             f"MXFP8BlockScaling and Float8BlockScaling")
@@ -279,7 +274,7 @@ def _linear_weights(model: nn.Module, config: TeConfig):
             # the linear pass leaves such a linear in high precision; an FP8-gathered weight would
             # only lose precision there
             skipped[fqn] = why
-        elif isinstance(recipe, BLOCK_RECIPES) and (why := _block_shard_problem(module.weight, recipe)):
+        elif recipe.weight_gather_block_rows and (why := _block_shard_problem(module.weight, recipe)):
             skipped[fqn] = why
         else:
             chosen.append((module, fqn, recipe))

@@ -61,27 +61,32 @@ def _cuda_probe(device, need: tuple[int, int], what: str, return_reason: bool,
     )
 
 
-def is_bf16_available(return_reason: bool = False, device: DeviceLike = None):
+# A CPU's answer for the block formats: no native GEMM, the exact emulation instead.
+_EMULATED_ON_CPU = (False, "emulated on CPU (dequantize-then-matmul)")
+
+
+def _probe(device: DeviceLike, what: str, on_cpu: tuple[bool, str], need: tuple[int, int], return_reason: bool,
+           only_major: Optional[int] = None):
+    """``on_cpu``: (answer, why) for a CPU; else the CUDA device's compute capability decides."""
     device = _device(device)
     if device.type == "cpu":
-        return _answer(True, "bf16: supported on CPU (slow matmuls; test in fp32)", return_reason)
-    return _cuda_probe(device, (8, 0), "bf16", return_reason)
+        return _answer(on_cpu[0], f"{what}: {on_cpu[1]}", return_reason)
+    return _cuda_probe(device, need, what, return_reason, only_major)
+
+
+def is_bf16_available(return_reason: bool = False, device: DeviceLike = None):
+    """bf16 arithmetic: CPU and CUDA sm80+."""
+    return _probe(device, "bf16", (True, "supported on CPU (slow matmuls; test in fp32)"), (8, 0), return_reason)
 
 
 def is_fp8_available(return_reason: bool = False, device: DeviceLike = None):
     """Per-tensor FP8 GEMMs (torch._scaled_mm): CPU and CUDA sm89+ run them natively."""
-    device = _device(device)
-    if device.type == "cpu":
-        return _answer(True, "FP8: torch._scaled_mm runs per-tensor FP8 GEMMs on CPU", return_reason)
-    return _cuda_probe(device, (8, 9), "FP8", return_reason)
+    return _probe(device, "FP8", (True, "torch._scaled_mm runs per-tensor FP8 GEMMs on CPU"), (8, 9), return_reason)
 
 
 def is_mxfp8_available(return_reason: bool = False, device: DeviceLike = None):
     """MXFP8 block-scaled GEMMs: Blackwell (sm100+) only; emulated elsewhere."""
-    device = _device(device)
-    if device.type == "cpu":
-        return _answer(False, "MXFP8: emulated on CPU (dequantize-then-matmul)", return_reason)
-    return _cuda_probe(device, (10, 0), "MXFP8", return_reason)
+    return _probe(device, "MXFP8", _EMULATED_ON_CPU, (10, 0), return_reason)
 
 
 def is_fp8_block_scaling_available(return_reason: bool = False, device: DeviceLike = None):
@@ -90,15 +95,9 @@ def is_fp8_block_scaling_available(return_reason: bool = False, device: DeviceLi
     cuBLASLt (12.9+) has these scaling modes on Hopper alone, and torch's scaled_mm refuses them on
     other architectures ("DeepSeek style (1x128, 128x128) scaling only supported in CUDA for SM90").
     """
-    device = _device(device)
-    if device.type == "cpu":
-        return _answer(False, "FP8 block scaling: emulated on CPU (dequantize-then-matmul)", return_reason)
-    return _cuda_probe(device, (9, 0), "FP8 block scaling", return_reason, only_major=9)
+    return _probe(device, "FP8 block scaling", _EMULATED_ON_CPU, (9, 0), return_reason, only_major=9)
 
 
 def is_nvfp4_available(return_reason: bool = False, device: DeviceLike = None):
     """NVFP4 GEMMs: Blackwell (sm100+) only; emulated elsewhere."""
-    device = _device(device)
-    if device.type == "cpu":
-        return _answer(False, "NVFP4: emulated on CPU (dequantize-then-matmul)", return_reason)
-    return _cuda_probe(device, (10, 0), "NVFP4", return_reason)
+    return _probe(device, "NVFP4", _EMULATED_ON_CPU, (10, 0), return_reason)

@@ -34,22 +34,16 @@ import torch
 import torch.nn as nn
 
 from .config import resolve_config
-from .lowerings.quantizers import quantizer_factory
-from .passes.eligibility import weight_ineligibility
-from .recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling, Recipe
+from .quantization import weight_ineligibility, weight_quantizer
+from .recipe import RECIPES, Recipe
 from .scaling import tensor_amax
-from .state import state_for
 from .tensor.block_scaled_tensor import BlockScaledTensor
-from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer
-from .tensor.quantized_tensor import QuantizedTensor, Quantizer
+from .tensor.float8_tensor import Float8Quantizer
+from .tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["quantized_model_init", "weight_quantizer", "PRIMARY_WEIGHT_RECIPES"]
+__all__ = ["quantized_model_init"]
 
 log = logging.getLogger(__name__)
-
-# Recipes whose weight format can be a primary weight. NVFP4's weight is 16x16-tiled FP4 with a
-# global amax that the master-weight cast does not handle yet.
-PRIMARY_WEIGHT_RECIPES = (Float8CurrentScaling, DelayedScaling, MXFP8BlockScaling, Float8BlockScaling)
 
 
 @dataclass(frozen=True)
@@ -64,52 +58,14 @@ _ORIGINAL_LINEAR_INIT = nn.Linear.__init__
 
 
 def _check_recipe(recipe) -> Recipe:
-    if not isinstance(recipe, PRIMARY_WEIGHT_RECIPES):
-        name = recipe.name if isinstance(recipe, Recipe) else repr(recipe)
-        raise ValueError(
-            f"quantized_model_init: recipe {name} has no primary-weight format; use one of "
-            f"{[r.__name__ for r in PRIMARY_WEIGHT_RECIPES]}"
-        )
-    if isinstance(recipe, Float8BlockScaling) and recipe.w_block_scaling_dim != 2:
-        # the master-weight cast and the all-gather rebuild the columnwise copy from the rowwise
-        # one, which only 128x128 tiles allow
-        raise ValueError("quantized_model_init: Float8BlockScaling primary weights need "
-                         f"w_block_scaling_dim=2 (128x128 tiles), got {recipe.w_block_scaling_dim}")
+    if not isinstance(recipe, Recipe):
+        raise ValueError(f"quantized_model_init: recipe must be a te_compile.recipe.Recipe, got {recipe!r}")
+    if (problem := recipe.primary_weight_problem()) is not None:
+        # NVFP4's weight is 16x16-tiled FP4 with a global amax that the master-weight cast does not
+        # handle yet
+        with_format = [name for name, cls in RECIPES.items() if cls.primary_weights]
+        raise ValueError(f"quantized_model_init: {problem}; recipes with one: {with_format}")
     return recipe
-
-
-def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
-                     where: str = "quantized_model_init") -> Quantizer:
-    """The quantizer that makes ``recipe``'s weight operand, bit for bit as the te backend would.
-
-    Delayed scaling needs ``weight`` (the parameter): its quantizer reads the scale the compiled
-    graph keeps for that parameter (``where`` names it in state errors).
-    """
-    recipe = _check_recipe(recipe)
-    fp8_dtype = recipe.fp8_format.dtype_for("weight") if hasattr(recipe, "fp8_format") else None
-    if isinstance(recipe, Float8CurrentScaling):
-        # the FP8 GEMMs read only the rowwise bytes (the transpose is made in the GEMM call)
-        return Float8CurrentScalingQuantizer(fp8_dtype, columnwise=False,
-                                             force_pow_2_scales=recipe.use_power_2_scales,
-                                             amax_epsilon=recipe.amax_epsilon)
-    if isinstance(recipe, DelayedScaling):
-        if weight is None:
-            raise ValueError("weight_quantizer: delayed scaling needs the weight parameter (its scale "
-                             "is the compiled graph's state for that parameter)")
-        state = state_for(weight, recipe.amax_history_len, where)
-        scale = state.roles["weight"].scale
-        quantizer = Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
-        # travels with the weight's copies (views, FSDP2 shards and gathers keep the quantizer):
-        # te_compile.state finds this state for them
-        quantizer.linear_state = state
-        return quantizer
-    quantizer = quantizer_factory(recipe)("weight")
-    if isinstance(recipe, Float8BlockScaling):
-        # 128x128 tiles: the columnwise copy is the transpose of the rowwise one, derived where a
-        # GEMM needs it, so the master-weight cast and a ZeRO all-gather move only the rowwise bytes
-        quantizer.set_usage(columnwise=False)
-    # MXFP8 keeps both copies: its columnwise blocks cannot be derived from the rowwise ones
-    return quantizer
 
 
 def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
@@ -120,19 +76,19 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
         return
     hp = linear.weight.detach()
     requires_grad = linear.weight.requires_grad
-    if isinstance(spec.recipe, DelayedScaling) and hp.is_meta:
+    if spec.recipe.delayed() and hp.is_meta:
         # the graph's state would be created on the meta device, and to_empty() replaces the
         # parameter the state is keyed by
         raise ValueError("quantized_model_init: DelayedScaling primary weights cannot be built on the meta "
                          "device yet; build them on the target device (current scaling and the block "
                          "formats can)")
-    if isinstance(spec.recipe, DelayedScaling):
+    if spec.recipe.delayed():
         # The state is keyed by the final parameter, so quantize first with scale 1, the scale a new
         # state starts from, then attach the quantizer that reads the graph's scale for it.
         placeholder = Float8Quantizer(torch.ones(1, device=hp.device), torch.zeros(1, device=hp.device),
                                       spec.recipe.fp8_format.dtype_for("weight"), columnwise=False)
         param = nn.Parameter(placeholder.quantize(hp), requires_grad=requires_grad)
-        param._quantizer = weight_quantizer(spec.recipe, param)
+        param._quantizer = weight_quantizer(spec.recipe, param, "quantized_model_init")
         param._amax = tensor_amax(hp).reshape(1).to(torch.float32)
     else:
         quantizer = weight_quantizer(spec.recipe)

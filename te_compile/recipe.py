@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field, fields
-from typing import Callable, Optional, Union
+from typing import Callable, ClassVar, Optional, Union
 
 import torch
 
@@ -25,12 +25,21 @@ __all__ = [
     "CustomRecipe",
     "RECIPES",
     "ROLES",
+    "GEMM_ROLES",
+    "GRADIENT_ROLES",
+    "ATTENTION_ROLES",
 ]
 
 # The tensors a linear layer quantizes, by role. "input"/"weight" feed fprop, "grad_output" feeds
 # dgrad and wgrad; "output"/"grad_input" are quantized only by fused consumers (attention, next layer).
 ROLES = ("input", "weight", "output", "grad_output", "grad_input")
-FORWARD_ROLES = ("input", "weight", "output")
+GRADIENT_ROLES = ("grad_output", "grad_input")
+# The operands of a linear's three GEMMs. Every per-role tuple of a linear site (delayed-scaling state,
+# amax carriers, amax all-reduce groups) is in this order.
+GEMM_ROLES = ("input", "weight", "grad_output")
+# An SDPA site's tensors: Q, K, V in the forward format, dO (FP8 backward) in the gradient format.
+ATTENTION_ROLES = ("query", "key", "value", "grad_output")
+_FORWARD_ROLES = ("input", "weight", "output", "query", "key", "value")
 
 
 @dataclass(frozen=True)
@@ -63,10 +72,10 @@ class Format(enum.Enum):
         return self.value.max_bwd
 
     def dtype_for(self, role: str) -> torch.dtype:
-        """The torch fp8 dtype used for a tensor of ``role`` (see ``ROLES``)."""
-        if role not in ROLES:
-            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-        dtype = self.value.fwd_dtype if role in FORWARD_ROLES else self.value.bwd_dtype
+        """The torch fp8 dtype used for a tensor of ``role`` (``ROLES`` or ``ATTENTION_ROLES``)."""
+        if role not in ROLES and role not in ATTENTION_ROLES:
+            raise ValueError(f"role must be one of {ROLES + ATTENTION_ROLES[:3]}, got {role!r}")
+        dtype = self.value.fwd_dtype if role in _FORWARD_ROLES else self.value.bwd_dtype
         if dtype is None:
             raise ValueError(f"Format.{self.name} has no element dtype in torch (it is packed storage)")
         return dtype
@@ -110,20 +119,56 @@ def _check_flags(recipe: str, obj, *names: str) -> None:
 FP8_DPA_BACKWARDS = ("high_precision", "fp8")
 
 
-def _check_attention(recipe: str, obj) -> None:
-    """The attention fields every recipe has: fp8_dpa, fp8_mha, fp8_dpa_backward."""
-    _check_flags(recipe, obj, "fp8_dpa", "fp8_mha")
-    _check_choice(recipe, "fp8_dpa_backward", obj.fp8_dpa_backward, FP8_DPA_BACKWARDS)
-
-
 def _check_epsilon(recipe: str, value) -> None:
     _check_type(recipe, "amax_epsilon", value, (int, float), "a non-negative float")
     if not value >= 0.0 or math.isinf(value):
         raise ValueError(f"{recipe}.amax_epsilon must be a finite non-negative float, got {value!r}")
 
 
+@dataclass(frozen=True, repr=False)
 class Recipe:
-    """Base class of all recipes; the predicates mirror TransformerEngine's."""
+    """Base class of all recipes: the attention options every recipe has, the facts the backend asks
+    a recipe for, and TransformerEngine's predicates.
+
+    The facts are class attributes, so that code asks the recipe (``recipe.per_tensor``,
+    ``recipe.gemm_alignment``) instead of keeping tables keyed by recipe name; a new recipe states
+    them once, here in its class (docs/adding-a-recipe.md).
+    """
+
+    # One scale per tensor (current or delayed scaling): lowered by Fp8LinearFunction, and the only
+    # kind norms, activations and FP8 attention hand-offs fuse with. Otherwise quantizer objects.
+    per_tensor: ClassVar[bool] = False
+    # The block format of its native block-scaled GEMMs ("mxfp8", "float8_block", "nvfp4"), or None.
+    block_format: ClassVar[Optional[str]] = None
+    # Its GEMM format as the report names it ("FP8", "MXFP8", ...).
+    format_label: ClassVar[str] = "FP8"
+    # K and N of a linear must be multiples of this, and why (cuBLASLt FP8 GEMMs need 16).
+    gemm_alignment: ClassVar[int] = 16
+    gemm_alignment_reason: ClassVar[str] = "FP8 GEMMs need K and N % 16 == 0"
+    # Every scale comes from a block's own amax: a shard split across ranks needs no amax all-reduce.
+    per_block_scales: ClassVar[bool] = False
+    # FSDP2 gathers the weight in its block format when each rank's rows are whole blocks of this
+    # many rows (None: no block-format all-gather).
+    weight_gather_block_rows: ClassVar[Optional[int]] = None
+    # Weights can be held only in its weight format (FP8 primary weights, quantized_model_init).
+    primary_weights: ClassVar[bool] = False
+    # The fewest dims a linear's input may have.
+    min_input_dims: ClassVar[int] = 1
+
+    # Keyword-only and declared once: every recipe has them, after its own fields.
+    fp8_dpa: bool = field(default=False, kw_only=True)
+    fp8_mha: bool = field(default=False, kw_only=True)
+    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
+    fp8_dpa_backward: str = field(default="high_precision", kw_only=True)
+
+    def __post_init__(self):
+        _check_flags(self.name, self, "fp8_dpa", "fp8_mha")
+        _check_choice(self.name, "fp8_dpa_backward", self.fp8_dpa_backward, FP8_DPA_BACKWARDS)
+
+    def primary_weight_problem(self) -> Optional[str]:
+        """Why weights cannot be held only in this recipe's weight format (FP8 primary weights), or
+        None when they can."""
+        return None if self.primary_weights else f"{self.name} has no primary-weight format"
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -132,7 +177,7 @@ class Recipe:
         return isinstance(self, Float8CurrentScaling)
 
     def float8_per_tensor_scaling(self) -> bool:
-        return isinstance(self, (DelayedScaling, Float8CurrentScaling))
+        return self.per_tensor
 
     def mxfp8(self) -> bool:
         return isinstance(self, MXFP8BlockScaling)
@@ -150,18 +195,30 @@ class Recipe:
     def name(self) -> str:
         return type(self).__name__
 
+    @classmethod
+    def option_names(cls) -> list[str]:
+        """The fields a config may set, in constructor order: the recipe's own, then the attention
+        options."""
+        return [f.name for f in sorted(fields(cls), key=lambda f: f.kw_only)]
+
+    def __repr__(self) -> str:
+        return f"{self.name}({', '.join(f'{n}={getattr(self, n)!r}' for n in self.option_names())})"
+
     def options(self) -> dict:
         """The recipe's fields as a plain dict (formats by name), e.g. for reports and configs."""
         out = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            out[f.name] = value.name if isinstance(value, Format) else value
+        for name in self.option_names():
+            value = getattr(self, name)
+            out[name] = value.name if isinstance(value, Format) else value
         return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class DelayedScaling(Recipe):
     """Per-tensor FP8 whose scale comes from a history of past amaxes (one step of delay)."""
+
+    per_tensor: ClassVar[bool] = True
+    primary_weights: ClassVar[bool] = True
 
     # scale = fp8_max / amax / 2**margin: a larger margin leaves headroom for growth between steps
     margin: int = 0
@@ -174,13 +231,9 @@ class DelayedScaling(Recipe):
     scaling_factor_compute_algo: Optional[Callable] = None
     # all-reduce (MAX) the amaxes over the data-parallel group once per step
     reduce_amax: bool = True
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
-        n = "DelayedScaling"
+        n = self.name
         _check_type(n, "margin", self.margin, (int,), "a non-negative int")
         if self.margin < 0:
             raise ValueError(f"{n}.margin must be a non-negative int, got {self.margin!r}")
@@ -196,50 +249,60 @@ class DelayedScaling(Recipe):
                 f"got {self.scaling_factor_compute_algo!r}"
             )
         _check_flags(n, self, "reduce_amax")
-        _check_attention(n, self)
+        super().__post_init__()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8CurrentScaling(Recipe):
     """Per-tensor FP8 whose scale comes from the amax of the tensor being quantized."""
+
+    per_tensor: ClassVar[bool] = True
+    primary_weights: ClassVar[bool] = True
 
     fp8_format: Format = Format.HYBRID
     # round scales down to powers of two: exact scaling (no mantissa error) at up to 2x less range
     use_power_2_scales: bool = False
     # amax is clamped up to this, so near-zero tensors do not get huge scales
     amax_epsilon: float = 0.0
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
-        n = "Float8CurrentScaling"
-        _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        _check_flags(n, self, "use_power_2_scales")
-        _check_epsilon(n, self.amax_epsilon)
-        _check_attention(n, self)
+        _check_format(self.name, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
+        _check_flags(self.name, self, "use_power_2_scales")
+        _check_epsilon(self.name, self.amax_epsilon)
+        super().__post_init__()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class MXFP8BlockScaling(Recipe):
     """MXFP8: 32-element blocks along the contiguous dim sharing an E8M0 (power of two) scale."""
 
+    block_format: ClassVar[Optional[str]] = "mxfp8"
+    format_label: ClassVar[str] = "MXFP8"
+    # blocks of 32 in both directions of the weight (rowwise for fprop, columnwise for dgrad)
+    gemm_alignment: ClassVar[int] = 32
+    gemm_alignment_reason: ClassVar[str] = "MXFP8 scales blocks of 32 along K and N"
+    per_block_scales: ClassVar[bool] = True
+    # the columnwise copy's blocks run 32 rows down
+    weight_gather_block_rows: ClassVar[Optional[int]] = 32
+    primary_weights: ClassVar[bool] = True
+
     fp8_format: Format = Format.E4M3
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
-        n = "MXFP8BlockScaling"
-        _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        _check_attention(n, self)
+        _check_format(self.name, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
+        super().__post_init__()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class Float8BlockScaling(Recipe):
     """DeepSeek-style FP8: 1x128 blocks (dim 1) or 128x128 tiles (dim 2) with their own scales."""
+
+    block_format: ClassVar[Optional[str]] = "float8_block"
+    format_label: ClassVar[str] = "FP8 block"
+    # ragged 128-blocks are quantized as partial blocks: only the GEMM alignment applies
+    per_block_scales: ClassVar[bool] = True
+    weight_gather_block_rows: ClassVar[Optional[int]] = 128
+    primary_weights: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
@@ -248,13 +311,9 @@ class Float8BlockScaling(Recipe):
     # power-of-two block scales: exact rescaling, the DeepSeek-V3 choice
     use_power_2_scales: bool = True
     amax_epsilon: float = 0.0
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
-        n = "Float8BlockScaling"
+        n = self.name
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3,))
         for dim in ("x_block_scaling_dim", "w_block_scaling_dim", "grad_block_scaling_dim"):
             _check_choice(n, dim, getattr(self, dim), (1, 2))
@@ -266,12 +325,27 @@ class Float8BlockScaling(Recipe):
                 f"{n}: x_block_scaling_dim and grad_block_scaling_dim must be 1 (only weights use "
                 f"2-D blocks), got {self.x_block_scaling_dim} and {self.grad_block_scaling_dim}"
             )
-        _check_attention(n, self)
+        super().__post_init__()
+
+    def primary_weight_problem(self) -> Optional[str]:
+        # the master-weight cast and the all-gather rebuild the columnwise copy from the rowwise one,
+        # which only 128x128 tiles allow
+        if self.w_block_scaling_dim != 2:
+            return (f"{self.name} primary weights need w_block_scaling_dim=2 (128x128 tiles), "
+                    f"got {self.w_block_scaling_dim}")
+        return None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class NVFP4BlockScaling(Recipe):
     """NVFP4: E2M1 elements in 16-element blocks with E4M3 block scales and an fp32 tensor scale."""
+
+    block_format: ClassVar[Optional[str]] = "nvfp4"
+    format_label: ClassVar[str] = "NVFP4"
+    # its blocks are 16 long, the GEMM alignment itself
+    gemm_alignment_reason: ClassVar[str] = "NVFP4 scales blocks of 16 along K and N"
+    # its lowering takes inputs of at least 2 dims ([..., tokens, K]); a 1-D one stays in high precision
+    min_input_dims: ClassVar[int] = 2
 
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
@@ -281,35 +355,29 @@ class NVFP4BlockScaling(Recipe):
     disable_stochastic_rounding: bool = False
     # 16x16 blocks for weights, so the transposed weight reuses the same scales
     disable_2d_quantization: bool = False
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
-        n = "NVFP4BlockScaling"
+        n = self.name
         _check_format(n, "fp4_format", self.fp4_format, (Format.E2M1,))
         _check_format(n, "fp8_format", self.fp8_format, (Format.E4M3,))
         _check_flags(n, self, "disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
-        _check_attention(n, self)
+        super().__post_init__()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, repr=False)
 class CustomRecipe(Recipe):
     """A recipe whose quantizers come from ``qfactory(role) -> Quantizer`` (role in ``ROLES``)."""
 
+    format_label: ClassVar[str] = "custom quantizers"
+
     qfactory: Callable = field(default=None)
-    fp8_dpa: bool = False
-    fp8_mha: bool = False
-    # FP8 attention's backward: "high_precision" (FP8-saved Q, K, V dequantized) or "fp8"
-    fp8_dpa_backward: str = "high_precision"
 
     def __post_init__(self):
         if not callable(self.qfactory):
             raise ValueError(
                 f"CustomRecipe.qfactory must be a callable role -> Quantizer, got {self.qfactory!r}"
             )
-        _check_attention("CustomRecipe", self)
+        super().__post_init__()
 
 
 # Recipe classes by the name a config file uses.

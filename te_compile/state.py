@@ -19,15 +19,11 @@ from typing import NamedTuple, Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
+from .recipe import ATTENTION_ROLES, GEMM_ROLES
+
 __all__ = ["RoleState", "LinearState", "AttentionState", "IncompatibleKeys", "recipe_state_dict",
            "load_recipe_state_dict", "amax_anchor", "attention_key_param"]
 
-# Roles that keep delayed-scaling state for a linear layer (lowerings/delayed_update.py's order).
-STATE_ROLES = ("input", "weight", "grad_output")
-# ... and for an SDPA site: Q, K, V in the forward format, dO (the "fp8" backward) in the gradient's
-ATTENTION_ROLES = ("query", "key", "value", "grad_output")
-# the recipe role (recipe.ROLES) whose FP8 format a state role takes
-FORMAT_ROLES = {"query": "input", "key": "input", "value": "input"}
 FIELDS = ("scale", "amax_history")
 # the last component of an SDPA site's name in the state dict ("blocks.0.attn.sdpa")
 ATTENTION_SITE = "sdpa"
@@ -63,9 +59,9 @@ class RoleStates:
 
 
 class LinearState(RoleStates):
-    """The state of one weight: a RoleState per role in STATE_ROLES."""
+    """The state of one weight: a RoleState per role of its GEMMs' operands (GEMM_ROLES)."""
 
-    ROLES = STATE_ROLES
+    ROLES = GEMM_ROLES
 
     def __init__(self, history_len: int, device: torch.device) -> None:
         super().__init__(history_len, device)
@@ -140,7 +136,7 @@ def _linked_state(weight) -> Optional[LinearState]:
 
 def amax_anchor(device: torch.device) -> torch.Tensor:
     """A scalar that requires grad, one per device, that compiled graphs take as an input so that
-    their amax carriers (lowerings/delayed_update.py) get a backward even when no weight requires
+    their amax carriers (lowerings/delayed_state.py) get a backward even when no weight requires
     grad. Nothing ever writes a gradient into it."""
     device = torch.device(device)
     if device not in _ANCHORS:
@@ -320,7 +316,7 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
         parts = key.rsplit(".", 2)
         if len(parts) == 2:  # a weight of the root module: "<role>.<field>"
             parts = ["", *parts]
-        if len(parts) == 3 and parts[1] in STATE_ROLES and parts[2] in FIELDS and parts[0] in prefixes:
+        if len(parts) == 3 and parts[1] in GEMM_ROLES and parts[2] in FIELDS and parts[0] in prefixes:
             entries.setdefault(id(prefixes[parts[0]]), {})[(parts[1], parts[2])] = (key, value)
         elif (len(parts) == 3 and parts[1] in ATTENTION_ROLES and parts[2] in FIELDS
               and (parts[0] in attention or _attention_targets(model, parts[0]) is not None)):
@@ -339,7 +335,7 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
     for site in attention:
         sites.setdefault(site, {})
     missing = [_key(names[pid], role, f) for pid, given in entries.items()
-               for role in STATE_ROLES for f in FIELDS if (role, f) not in given]
+               for role in GEMM_ROLES for f in FIELDS if (role, f) not in given]
     missing += [_key(site, role, f) for site, given in sites.items()
                 for role in ATTENTION_ROLES for f in FIELDS if (role, f) not in given]
     problems = []
@@ -347,7 +343,7 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
         problems.append(f"missing keys {missing}")
     if strict and unexpected:
         problems.append(f"unexpected keys {unexpected} (keys are '<fqn>.<role>.<field>' naming a weight "
-                        f"of this model, with role in {STATE_ROLES}, or '<module>.sdpa.<role>.<field>' "
+                        f"of this model, with role in {GEMM_ROLES}, or '<module>.sdpa.<role>.<field>' "
                         f"naming an SDPA site, with role in {ATTENTION_ROLES}; field in {FIELDS})")
 
     params = {id(p): p for p in prefixes.values()}

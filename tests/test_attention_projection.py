@@ -20,8 +20,9 @@ from te_compile.kernels.fp8_attention import (
     fp8_attention_forward_reference,
     quantize_heads,
 )
-from te_compile.lowerings.fp8_linear import _column_major, _quantize_per_tensor, quantize_weight
-from te_compile.lowerings.gemm import fp8_gemm
+from te_compile.gemm.per_tensor import column_major, fp8_gemm
+from te_compile.lowerings.fp8_linear import quantize_weight
+from te_compile.quantization import quantize_per_tensor
 from te_compile.recipe import Float8CurrentScaling
 from utils import assert_bitwise_equal, assert_sqnr_at_least
 
@@ -140,10 +141,10 @@ def test_the_backward_reads_o_from_the_projections_fp8_input(runs, name):
     (q8, qd), (k8, kd), (v8, vd) = quantize_heads(q), quantize_heads(k), quantize_heads(v)
     kwargs = dict(sm_scale=D ** -0.5, causal=True)
     o, lse = fp8_attention_forward_reference(q8, k8, v8, qd, kd, vd, **kwargs)
-    xq, x_sinv, _ = _quantize_per_tensor(o.transpose(1, 2).reshape(B * T, H * D), "input", recipe)
+    xq, x_sinv, _ = quantize_per_tensor(o.transpose(1, 2).reshape(B * T, H * D), "input", recipe)
     wq, w_sinv, _ = quantize_weight(model.forms[name].proj.weight.detach(), recipe)
-    gq, g_sinv, _ = _quantize_per_tensor(fused.douts[name].reshape(B * T, N), "grad_output", recipe)
-    dx = fp8_gemm(gq.contiguous(), _column_major(wq.contiguous()), g_sinv, w_sinv, out_dtype=torch.float32)
+    gq, g_sinv, _ = quantize_per_tensor(fused.douts[name].reshape(B * T, N), "grad_output", recipe)
+    dx = fp8_gemm(gq.contiguous(), column_major(wq.contiguous()), g_sinv, w_sinv, out_dtype=torch.float32)
     do = dx.reshape(B, T, H, D).transpose(1, 2).contiguous()
     o_fp8 = xq.view(B, T, H, D).transpose(1, 2).float() * x_sinv
     expect = fp8_attention_backward_reference(do, q8, k8, v8, qd, kd, vd, o_fp8, lse, **kwargs)

@@ -15,7 +15,7 @@ import torch.nn as nn
 from torch._dynamo.utils import counters
 
 import te_compile
-from te_compile.lowerings.gemm import fp8_gemm_kind
+from te_compile.gemm.per_tensor import fp8_gemm_kind
 from fp8_reference import Fp8Reference
 from models import LINEARS_PER_BLOCK, TinyGPT
 from utils import assert_sqnr_at_least, sqnr
@@ -183,7 +183,7 @@ def test_dynamic_shapes_one_graph_for_all_lengths():
 def test_training_steps_at_fixed_shapes_compile_once(recipe):
     """Steps of forward, backward and optimizer at fixed shapes, with every pass at work (norm and
     activation fusion, FP8 attention with fp8_mha; DelayedScaling's state updating in place):
-    one graph, no graph break, no recompile (issue 17)."""
+    one graph, no graph break, no recompile."""
     from te_compile.models import GPT
 
     torch._dynamo.reset()
@@ -288,7 +288,7 @@ def test_entry_point_registers_te_without_import():
 def test_recipe_state_inputs_are_static_for_cuda_graphs(monkeypatch):
     """DelayedScaling's state and anchor inputs are marked static, as torch._dynamo.mark_static_address
     marks a tensor: AOTAutograd lists them in static_input_indices, which CUDA graphs
-    (mode="reduce-overhead") read and write in place instead of copying in at each replay (issue 17).
+    (mode="reduce-overhead") read and write in place instead of copying in at each replay.
     The model's own inputs stay dynamic."""
     import importlib
 

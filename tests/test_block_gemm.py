@@ -1,4 +1,4 @@
-"""Native block-scaled GEMMs: te_compile.lowerings.block_gemm, scaled_mm_op and block_gemm_probe.
+"""Native block-scaled GEMMs: te_compile.gemm.block, scaled_mm_op and block_probe.
 
 Without a GPU the native path's arguments are checked on CPU in three ways:
 - the swizzle against cuBLAS's documented offset formula for 1-D block scaling factors;
@@ -22,14 +22,14 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
 import te_compile
-import te_compile.lowerings.block_gemm as block_gemm
-import te_compile.lowerings.block_gemm_probe as probe
+import te_compile.gemm.block as block_gemm
+import te_compile.gemm.block_probe as probe
 import te_compile.passes as passes
 from te_compile.hardware import is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available
-from te_compile.lowerings.quantized_linear import QuantizedLinearFunction, _quantize
-from te_compile.lowerings.quantizers import quantizer_factory
-from te_compile.lowerings import scaled_mm_op
-from te_compile.lowerings.scaled_mm_op import _scaled_mm, swizzle_32_4_4, unswizzle_32_4_4
+from te_compile.gemm import scaled_mm_op
+from te_compile.lowerings.quantized_linear import QuantizedLinearFunction
+from te_compile.quantization import quantize_copies, quantizer_factory
+from te_compile.gemm.scaled_mm_op import _scaled_mm, swizzle_32_4_4, unswizzle_32_4_4
 from te_compile.recipe import (
     DelayedScaling,
     Float8BlockScaling,
@@ -167,9 +167,9 @@ def test_the_cuda_contract_check_can_fail(monkeypatch):
 
 def test_pairs_scaled_mm_lacks_are_refused():
     x = torch.randn(128, 256)
-    e5m2 = _quantize(quantizer_factory(RECIPES["mxfp8_hybrid"]), "grad_output", x, columnwise=False)
-    e4m3 = _quantize(quantizer_factory(RECIPES["mxfp8"]), "input", x, columnwise=False)
-    tiled = _quantize(quantizer_factory(RECIPES["float8_block"]), "weight", x, columnwise=False)
+    e5m2 = quantize_copies(quantizer_factory(RECIPES["mxfp8_hybrid"]), "grad_output", x)
+    e4m3 = quantize_copies(quantizer_factory(RECIPES["mxfp8"]), "input", x)
+    tiled = quantize_copies(quantizer_factory(RECIPES["float8_block"]), "weight", x)
     assert block_gemm.native_pair_supported(e4m3, e4m3)
     assert not block_gemm.native_pair_supported(e5m2, e4m3)
     assert not block_gemm.native_pair_supported(tiled, tiled)
@@ -205,7 +205,7 @@ def test_probe_refuses_architectures_without_the_gemm(fake_gpu, monkeypatch, rec
     fake_gpu(cc)
     monkeypatch.setattr(probe, "_self_test", lambda *a: pytest.fail("no self-test without the architecture"))
     ok, why = probe.native_block_gemm_support(recipe, "cuda", torch.bfloat16)
-    fmt = probe.recipe_block_format(recipe)
+    fmt = recipe.block_format
     assert not ok and why == f"compute capability {cc[0]}.{cc[1]} has no native {fmt} GEMMs"
 
 

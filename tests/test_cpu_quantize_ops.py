@@ -1,4 +1,4 @@
-"""The block formats' CPU quantize/dequantize as opaque ops (issue 17: compile time).
+"""The block formats' CPU quantize/dequantize as opaque ops (for compile time).
 
 On CPU ``mxfp8_quantize``, ``float8_block_quantize``, ``nvfp4_quantize`` and ``nvfp4_dequantize`` call
 one ``te_compile::*_cpu`` op each: a compiled graph holds one node per call instead of the ~40 ops of

@@ -320,7 +320,7 @@ def test_frozen_weights_keep_their_state_advancing_and_skip_the_wgrad_gemm(monke
     for role in ("input", "weight", "grad_output"):
         assert state[f"{role}.amax_history"][0].item() > 0, role
     [backward] = graphs.backward
-    # dgrad only (a _scaled_mm, or on CPU its emulation's fp32 mm: lowerings/gemm.py)
+    # dgrad only (a _scaled_mm, or on CPU its emulation's fp32 mm: gemm/per_tensor.py)
     assert count_calls(backward, torch.ops.aten._scaled_mm) + count_calls(backward, torch.ops.aten.mm) == 1, \
         backward.code
 

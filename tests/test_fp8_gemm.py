@@ -1,4 +1,4 @@
-"""Per-tensor FP8 GEMMs (te_compile/lowerings/gemm.py): on CPU the torch-op emulation must give
+"""Per-tensor FP8 GEMMs (te_compile/gemm/per_tensor.py): on CPU the torch-op emulation must give
 torch._scaled_mm's bits, eagerly and compiled by inductor, for the layouts the lowerings pass."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from te_compile.lowerings import gemm
+from te_compile.gemm import per_tensor as gemm
 from utils import assert_bitwise_equal
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2

@@ -436,8 +436,10 @@ def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
     """The gathered weight's bytes are the GEMM operand: a Float8Tensor made by current scaling of W
     holds the bytes the lowering would make from W, so outputs and gradients are bit-identical; a
     Float8Tensor with another scale shows its own bytes are used, not re-quantized from its values."""
-    from te_compile.lowerings.fp8_linear import NO_GROUPS, Fp8LinearFunction, _quantize_per_tensor
-    from te_compile.lowerings.gemm import fp8_gemm
+    from te_compile.distributed import NO_GROUPS
+    from te_compile.gemm.per_tensor import fp8_gemm
+    from te_compile.lowerings.fp8_linear import Fp8LinearFunction
+    from te_compile.quantization import quantize_per_tensor
     from te_compile.tensor import Float8CurrentScalingQuantizer
 
     recipe = Float8CurrentScaling()
@@ -460,7 +462,7 @@ def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
     scale = compute_scale(w.abs().amax().reshape(1), torch.float8_e4m3fn) / 3
     narrow = Float8Tensor(data=cast_to_fp8(w, scale, torch.float8_e4m3fn).view(torch.uint8),
                           scale_inv=1 / scale, fp8_dtype=torch.float8_e4m3fn)
-    xq, x_sinv, _ = _quantize_per_tensor(x, "input", recipe)
+    xq, x_sinv, _ = quantize_per_tensor(x, "input", recipe)
     want = fp8_gemm(xq.contiguous(), narrow._data.view(torch.float8_e4m3fn).t(), x_sinv, narrow._scale_inv,
                     out_dtype=torch.float32)
     assert_bitwise_equal(run(narrow)[0], want)

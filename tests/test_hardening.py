@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
 import te_compile
-from te_compile.lowerings import gemm
+from te_compile.gemm import per_tensor as gemm
 from fp8_reference import Fp8Reference
 from utils import assert_bitwise_equal, assert_sqnr_at_least, sqnr
 
@@ -92,7 +92,7 @@ def test_any_input_rank_or_token_count_gives_eager_or_a_reported_fallback(recipe
 @pytest.mark.parametrize("gemm_path", ["emulated", "scaled_mm"])
 def test_one_token_and_1d_inputs_under_inductor(monkeypatch, gemm_path):
     """Inductor's _scaled_mm lowering checks strides literally; a [16, 1] operand has a free stride.
-    Both CPU GEMM paths (lowerings/gemm.py): the emulation and _scaled_mm itself."""
+    Both CPU GEMM paths (gemm/per_tensor.py): the emulation and _scaled_mm itself."""
     monkeypatch.setattr(gemm, "cpu_emulates_scaled_mm", lambda: gemm_path == "emulated")
     torch._dynamo.reset()
     torch.manual_seed(0)

@@ -1,5 +1,9 @@
 """Package structure: imports run one way, and the documented submodules load with the package.
 
+The layers, bottom to top (``LAYERS``): a module imports from its own layer or the ones below, never
+from above, and no set of modules imports each other (a submodule importing its own package's
+``__init__`` counts as a circle, since the package imports it).
+
 The direction checks read the source with ``ast`` rather than importing it, so they see imports in
 every branch (``if HAS_TRITON:``) and inside functions (lazy imports) too.
 """
@@ -12,6 +16,23 @@ import sys
 from pathlib import Path
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "te_compile"
+
+# Bottom to top; a name stands for the module or the package and everything in it, and the longest
+# name that matches places a module. The eager features (FSDP2's FP8 all-gather, FP8 primary
+# weights) sit beside the lowerings, on the recipe -> quantizer layer both use.
+LAYERS = [
+    ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
+     "te_compile.report"],
+    ["te_compile.kernels"],
+    ["te_compile.distributed", "te_compile.state", "te_compile.config"],
+    ["te_compile.tensor"],
+    ["te_compile.quantization", "te_compile.custom_recipes"],
+    ["te_compile.gemm"],
+    ["te_compile.lowerings", "te_compile.fsdp", "te_compile.primary_weights"],
+    ["te_compile.passes"],
+    ["te_compile.backend"],
+    ["te_compile", "te_compile.cli", "te_compile.models", "te_compile.data", "te_compile.__main__"],
+]
 
 
 def _module_names(package_dir: Path) -> dict[str, Path]:
@@ -63,38 +84,24 @@ def _under(name: str, package: str) -> bool:
     return name == package or name.startswith(package + ".")
 
 
-def kernels_importing_tensor(package_dir: Path = PACKAGE_DIR) -> list[list[str]]:
-    """Import chains from a module of te_compile.kernels to te_compile.tensor (direct or through
-    other modules such as te_compile.scaling)."""
+def layer_of(name: str) -> int:
+    """The index in ``LAYERS`` of the longest entry that is ``name`` or a package holding it."""
+    matches = [(len(entry), i) for i, layer in enumerate(LAYERS) for entry in layer
+               if name == entry or name.startswith(entry + ".")]
+    if not matches:
+        raise KeyError(f"{name} is in no layer of LAYERS: place it there")
+    return max(matches)[1]
+
+
+def upward_imports(package_dir: Path = PACKAGE_DIR) -> list[str]:
+    """"a -> b" for every import of a module of a higher layer than the importer's."""
     graph = _import_graph(package_dir)
-    chains = []
-    for start in sorted(m for m in graph if _under(m, "te_compile.kernels")):
-        # breadth-first over explicit imports, remembering how each module was reached
-        seen = {start: [start]}
-        frontier = [start]
-        while frontier:
-            nxt = []
-            for mod in frontier:
-                for dep in sorted(graph[mod]):
-                    if dep in seen:
-                        continue
-                    seen[dep] = seen[mod] + [dep]
-                    if _under(dep, "te_compile.tensor"):
-                        chains.append(seen[dep])
-                    else:
-                        nxt.append(dep)
-            frontier = nxt
-    return chains
+    return [f"{m} -> {d}" for m, deps in sorted(graph.items()) for d in sorted(deps) if layer_of(d) > layer_of(m)]
 
 
-def tensor_import_cycles(package_dir: Path = PACKAGE_DIR) -> list[list[str]]:
-    """Sets of te_compile.tensor modules that import each other (strongly connected components of
-    the import graph with more than one module, or a module importing itself)."""
-    graph = {
-        m: {d for d in deps if _under(d, "te_compile.tensor")}
-        for m, deps in _import_graph(package_dir).items()
-        if _under(m, "te_compile.tensor")
-    }
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Sets of modules that import each other (strongly connected components of ``graph`` with more
+    than one module, or a module importing itself)."""
     # Tarjan's algorithm; the package is small, recursion depth is not a concern.
     index, low, stack, on_stack, cycles = {}, {}, [], set(), []
 
@@ -125,6 +132,40 @@ def tensor_import_cycles(package_dir: Path = PACKAGE_DIR) -> list[list[str]]:
     return cycles
 
 
+def kernels_importing_tensor(package_dir: Path = PACKAGE_DIR) -> list[list[str]]:
+    """Import chains from a module of te_compile.kernels to te_compile.tensor (direct or through
+    other modules such as te_compile.scaling)."""
+    graph = _import_graph(package_dir)
+    chains = []
+    for start in sorted(m for m in graph if _under(m, "te_compile.kernels")):
+        # breadth-first over explicit imports, remembering how each module was reached
+        seen = {start: [start]}
+        frontier = [start]
+        while frontier:
+            nxt = []
+            for mod in frontier:
+                for dep in sorted(graph[mod]):
+                    if dep in seen:
+                        continue
+                    seen[dep] = seen[mod] + [dep]
+                    if _under(dep, "te_compile.tensor"):
+                        chains.append(seen[dep])
+                    else:
+                        nxt.append(dep)
+            frontier = nxt
+    return chains
+
+
+def tensor_import_cycles(package_dir: Path = PACKAGE_DIR) -> list[list[str]]:
+    """Sets of te_compile.tensor modules that import each other."""
+    graph = {
+        m: {d for d in deps if _under(d, "te_compile.tensor")}
+        for m, deps in _import_graph(package_dir).items()
+        if _under(m, "te_compile.tensor")
+    }
+    return import_cycles(graph)
+
+
 def test_graph_sees_relative_and_lazy_imports():
     # the checks below are only as good as the graph: spot-check edges of each import form
     graph = _import_graph()
@@ -146,6 +187,38 @@ def test_no_import_cycles_in_tensor():
     assert not cycles, "modules of te_compile.tensor import each other: " + "; ".join(
         " <-> ".join(c) for c in cycles
     )
+
+
+def test_every_module_has_a_layer_and_no_import_runs_back_up():
+    graph = _import_graph()
+    for name in graph:
+        layer_of(name)   # raises for a module no layer names
+    up = upward_imports()
+    assert not up, "imports from a higher layer (tests/test_imports.py LAYERS): " + "; ".join(up)
+
+
+def test_no_modules_import_each_other():
+    cycles = import_cycles(_import_graph())
+    assert not cycles, "modules that import each other: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_the_layer_checks_see_an_upward_import_and_a_circle(tmp_path):
+    # a copy of the package with one import added at the bottom: both checks must name it
+    import shutil
+
+    copy = tmp_path / "te_compile"
+    shutil.copytree(PACKAGE_DIR, copy, ignore=shutil.ignore_patterns("__pycache__"))
+    with (copy / "recipe.py").open("a") as f:
+        f.write("\nfrom .passes import run_passes\n")
+    assert "te_compile.recipe -> te_compile.passes" in upward_imports(copy)
+    assert any("te_compile.recipe" in c for c in import_cycles(_import_graph(copy)))
+
+
+def test_eager_features_import_neither_passes_nor_lowerings():
+    graph = _import_graph()
+    for name in ("te_compile.fsdp", "te_compile.primary_weights"):
+        reached = {d for d in graph[name] if _under(d, "te_compile.passes") or _under(d, "te_compile.lowerings")}
+        assert not reached, f"{name} imports {sorted(reached)}"
 
 
 def test_import_te_compile_loads_tensor_utils():

@@ -1,4 +1,4 @@
-"""The multi-tensor delayed-scaling update (kernels/delayed_update.py, issue 17): the stacked reference
+"""The multi-tensor delayed-scaling update (kernels/delayed_update.py): the stacked reference
 equals ``update_role_state`` row by row, bit for bit, on the edge amaxes (NaN, inf, 0, subnormal);
 the Triton kernel equals the reference in Triton's interpreter (on the GPU when there is one),
 including histories longer than one of its chunks; the custom op mutates its list arguments in place,
@@ -17,7 +17,7 @@ from te_compile.kernels.delayed_update import (
     delayed_update_triton,
     kernel_self_test,
 )
-from te_compile.lowerings.delayed_update import update_role_state
+from te_compile.lowerings.delayed_state import update_role_state
 from te_compile.recipe import DelayedScaling
 from te_compile.scaling import fp8_max
 from utils import FLT_MAX, assert_bitwise_equal, seed

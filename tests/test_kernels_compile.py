@@ -1,9 +1,10 @@
-"""Every Triton kernel compiles for a Hopper GPU (sm90), here, without one: the kernel tests run the
-kernels in Triton's interpreter, which accepts code the GPU compiler rejects (it found a kernel
-returning two FP8 types from one function). Triton's NVIDIA backend ships ptxas, so a kernel can be
-compiled to a cubin on a CPU-only machine. The PTX also shows what the interpreter cannot: where
-ptxas would fuse a multiply and an add into one FMA, one rounding where the torch reference has two;
-the kernels that must equal their references bit for bit may only hold exact ones.
+"""Every Triton kernel, te_compile's and those in experiments/, compiles for a Hopper GPU (sm90), here,
+without one: the kernel tests run the kernels in Triton's interpreter, which accepts code the GPU
+compiler rejects (it found a kernel returning two FP8 types from one function). Triton's NVIDIA
+backend ships ptxas, so a kernel can be compiled to a cubin on a CPU-only machine. The PTX also shows
+what the interpreter cannot: where ptxas would fuse a multiply and an add into one FMA, one rounding
+where the torch reference has two; the kernels that must equal their references bit for bit may only
+hold exact ones.
 
 How: each launcher runs once per variant on tiny CPU inputs in the interpreter, and a hook records
 what reached the kernel (argument dtypes become the signature; constexpr values and launch options
@@ -85,11 +86,11 @@ def _record_launches(monkeypatch) -> list[dict]:
 
 def _variants():
     """One call per kernel variant worth compiling: dtypes, formats and flags that change the code."""
+    from experiments.fp8_cast_transpose import fp8_cast_transpose_triton
+    from experiments.fp8_gemm import fp8_gemm_amax_triton
     from te_compile.kernels import fp8_attention as att
     from te_compile.kernels.delayed_update import delayed_update_triton
     from te_compile.kernels.float8_block_quantize import float8_block_quantize_triton
-    from te_compile.kernels.fp8_cast_transpose import fp8_cast_transpose_triton
-    from te_compile.kernels.fp8_gemm import fp8_gemm_amax_triton
     from te_compile.kernels.mxfp8_quantize import mxfp8_quantize_triton
     from te_compile.kernels.norm_quantize import NormSpec, norm_backward_triton, norm_quantize_triton, norm_stats_triton
     from te_compile.kernels.nvfp4_quantize import nvfp4_quantize_triton
@@ -144,7 +145,7 @@ def _variants():
     return calls
 
 
-_COMPILE = textwrap.dedent("""
+_COMPILE = textwrap.dedent(r"""
     import importlib, json, os, sys
     os.environ.pop("TRITON_INTERPRET", None)
     os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")   # Triton <= 3.9's default, the case to check
@@ -199,6 +200,9 @@ def test_every_kernel_compiles_for_sm90_and_bit_exact_ones_keep_their_roundings(
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches, default=str))
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # the subprocess imports each kernel's module by name: the experiments package sits in the repo root
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
     proc = subprocess.run([sys.executable, "-c", _COMPILE, str(path), "90"], capture_output=True, text=True,
                           env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -15,7 +15,8 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import te_compile
-from te_compile.primary_weights import quantized_model_init, weight_quantizer
+from te_compile.primary_weights import quantized_model_init
+from te_compile.quantization import weight_quantizer
 from te_compile.recipe import (
     DelayedScaling,
     Float8BlockScaling,

@@ -15,6 +15,7 @@ from typing import Optional
 
 import torch
 
+from te_compile.recipe import GRADIENT_ROLES, ROLES
 from te_compile.tensor.quantized_tensor import QuantizedTensorStorage, Quantizer
 
 __all__ = [
@@ -28,13 +29,11 @@ _FLT_MAX = torch.finfo(torch.float32).max
 
 def current_scaling_ref_quantizer_factory(role: str) -> "CurrentScalingQuantizerRef":
     """HYBRID: E4M3 for forward tensors (input, weight, output), E5M2 for gradients."""
-    if role in ("input", "weight", "output"):
-        return CurrentScalingQuantizerRef(torch.float8_e4m3fn)
-    if role in ("grad_output", "grad_input"):
+    if role in GRADIENT_ROLES:
         return CurrentScalingQuantizerRef(torch.float8_e5m2)
-    raise ValueError(
-        f"role must be one of ('input', 'weight', 'output', 'grad_output', 'grad_input'), got {role!r}"
-    )
+    if role in ROLES:
+        return CurrentScalingQuantizerRef(torch.float8_e4m3fn)
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 class CurrentScalingTensorRef(QuantizedTensorStorage):

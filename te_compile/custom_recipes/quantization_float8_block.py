@@ -19,6 +19,7 @@ from typing import Iterable, Optional
 
 import torch
 
+from te_compile.recipe import ROLES
 from te_compile.tensor.quantized_tensor import QuantizedTensorStorage, Quantizer
 
 __all__ = [
@@ -29,16 +30,15 @@ __all__ = [
 
 _BLOCK = 128
 _FLT_MAX = torch.finfo(torch.float32).max
-_ROLES = ("input", "weight", "output", "grad_output", "grad_input")
 
 
 def float8_block_ref_quantizer_factory(role: str) -> "Float8BlockQuantizerRef":
     """E4M3 everywhere; 128x128 tiles for weights, 1x128 blocks for the other roles; pow2 scales."""
     if role == "weight":
         return Float8BlockQuantizerRef(torch.float8_e4m3fn, block_scaling_dim=2)
-    if role in _ROLES:
+    if role in ROLES:
         return Float8BlockQuantizerRef(torch.float8_e4m3fn, block_scaling_dim=1)
-    raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 def _expand(scale_inv: torch.Tensor, tile_rows: int, shape: torch.Size) -> torch.Tensor:

@@ -26,6 +26,7 @@ from typing import Optional
 
 import torch
 
+from te_compile.recipe import ROLES
 from te_compile.tensor.quantized_tensor import QuantizedTensorStorage, Quantizer
 
 __all__ = [
@@ -35,14 +36,13 @@ __all__ = [
 ]
 
 _BLOCK = 32
-_ROLES = ("input", "weight", "output", "grad_output", "grad_input")
 
 
 def mxfp8_ref_quantizer_factory(role: str) -> "MXFP8QuantizerRef":
     """The default MXFP8BlockScaling recipe: E4M3 for every role, forward tensors and gradients alike."""
-    if role in _ROLES:
+    if role in ROLES:
         return MXFP8QuantizerRef(torch.float8_e4m3fn)
-    raise ValueError(f"role must be one of {_ROLES}, got {role!r}")
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:

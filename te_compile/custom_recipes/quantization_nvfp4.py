@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from te_compile.recipe import GRADIENT_ROLES, ROLES
 from te_compile.tensor.quantized_tensor import QuantizedTensorStorage, Quantizer
 from te_compile.tensor.rht import apply_rht, undo_rht
 
@@ -147,13 +148,11 @@ def nvfp4_ref_quantizer_factory(role: str) -> "NVFP4QuantizerRef":
         return NVFP4QuantizerRef(with_rht=True)
     if role == "weight":
         return NVFP4QuantizerRef(with_2d_quantization=True)
-    if role in ("grad_output", "grad_input"):
+    if role in GRADIENT_ROLES:
         return NVFP4QuantizerRef(with_rht=True, stochastic_rounding=True)
     if role == "output":
         return NVFP4QuantizerRef()
-    raise ValueError(
-        f"role must be one of ('input', 'weight', 'output', 'grad_output', 'grad_input'), got {role!r}"
-    )
+    raise ValueError(f"role must be one of {ROLES}, got {role!r}")
 
 
 class NVFP4TensorRef(QuantizedTensorStorage):
@@ -233,9 +232,12 @@ class NVFP4QuantizerRef(Quantizer):
     def __init__(self, *, rowwise: bool = True, columnwise: bool = True, with_rht: bool = False,
                  stochastic_rounding: bool = False, with_2d_quantization: bool = False) -> None:
         super().__init__(rowwise=rowwise, columnwise=columnwise)
-        self.with_rht = bool(with_rht)
-        self.stochastic_rounding = bool(stochastic_rounding)
-        self.with_2d_quantization = bool(with_2d_quantization)
+        flags = {"with_rht": with_rht, "stochastic_rounding": stochastic_rounding,
+                 "with_2d_quantization": with_2d_quantization}
+        for name, value in flags.items():
+            if not isinstance(value, bool):   # a typo'd option value must not pass as truthy
+                raise ValueError(f"NVFP4QuantizerRef: {name} must be a bool, got {value!r}")
+            setattr(self, name, value)
 
     def _check_shape(self, shape) -> tuple[int, int]:
         shape = tuple(shape)

@@ -1,9 +1,9 @@
 """The launch sequence shared by the row-tiled quantize kernels (MXFP8, Float8 block, NVFP4).
 
 Each launcher calls ``require_triton`` (its kernel only exists when triton is installed), validates
-its own arguments (CONVENTIONS.md item 3: the messages state the observed value) and hands the rest
-to ``launch_row_tiles``: flatten to 2-D -> allocate -> grid -> launch -> restore shape. The kernels
-it launches share one calling convention:
+its arguments (x with ``check_input``, the rest itself; CONVENTIONS.md item 3: the messages state the
+observed value) and hands the rest to ``launch_row_tiles``: flatten to 2-D -> allocate -> grid ->
+launch -> restore shape. The kernels it launches share one calling convention:
 
     kernel[grid](x_ptr, *output_ptrs, M, K, stride_xm, *extra_args,
                  BLOCK_M=block_m, BLOCK_K=block_k, **constexprs, num_warps=num_warps)
@@ -21,13 +21,27 @@ import torch
 
 from ._fp_bits import HAS_TRITON
 
-__all__ = ["launch_row_tiles", "require_triton"]
+__all__ = ["INPUT_DTYPES", "check_input", "launch_row_tiles", "require_triton"]
+
+# What the quantize kernels read as x: they load it and widen it to fp32.
+INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def require_triton(name: str) -> None:
     """Raise a RuntimeError naming the launcher ``name`` when triton is not installed."""
     if not HAS_TRITON:
         raise RuntimeError(f"{name} needs triton, which is not installed")
+
+
+def check_input(x: torch.Tensor, dtypes: Sequence[torch.dtype] = INPUT_DTYPES) -> None:
+    """Raise a ValueError stating what x is unless it is a 2-D tensor [M, K] of one of ``dtypes``
+    (floating-point types), as the quantize launchers and their references take it."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
+    if x.dtype not in dtypes:
+        raise ValueError(f"x.dtype must be one of the floating-point types {list(dtypes)}, got {x.dtype}")
 
 
 def launch_row_tiles(

@@ -1,6 +1,6 @@
-"""The delayed-scaling state update of a whole graph in one launch (issue 17).
+"""The delayed-scaling state update of a whole graph in one launch.
 
-Once per step and graph, lowerings/delayed_update.py pushes each role's amax into its history and
+Once per step and graph, lowerings/delayed_state.py pushes each role's amax into its history and
 computes the next scale: per row r (a role of a weight or an SDPA site)
 
     amax'      = amax[r] if finite else 0

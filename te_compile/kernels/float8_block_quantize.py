@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from ._launch import launch_row_tiles, require_triton
+from ._launch import check_input, launch_row_tiles, require_triton
 from ..scaling import FLT_MAX, cast_to_fp8, compute_scale, fp8_max
 
 __all__ = [
@@ -36,7 +36,6 @@ __all__ = [
 FLOAT8_BLOCK = 128
 
 _TILE_ROWS = (1, FLOAT8_BLOCK)
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # Rows per program, for both tile shapes: one 128 x 128 fp32 block (64 KiB over 8 warps). Fewer,
 # larger programs also keep the Triton interpreter (CPU tests) fast: its cost is per program.
@@ -44,12 +43,7 @@ _BLOCK_M = 128
 
 
 def _check_args(x: torch.Tensor, fp8_dtype: torch.dtype, tile_rows: int, amax_epsilon: float) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"x.dtype must be one of {list(_INPUT_DTYPES)}, got {x.dtype}")
+    check_input(x)
     if fp8_dtype not in _FP8_DTYPES:
         raise ValueError(f"fp8_dtype must be one of {list(_FP8_DTYPES)}, got {fp8_dtype!r}")
     if isinstance(tile_rows, bool) or tile_rows not in _TILE_ROWS:
@@ -63,14 +57,8 @@ def _scale_inv_shape(m: int, k: int, tile_rows: int) -> tuple[int, int]:
     return (-(-m // tile_rows), -(-k // FLOAT8_BLOCK))
 
 
-def float8_block_quantize_reference(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    tile_rows: int,
-    force_pow_2_scales: bool,
-    amax_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def float8_block_quantize_reference(x: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int,
+                                    force_pow_2_scales: bool, amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch block quantize. x: [M, K] -> (data uint8 [M, K], scale_inv fp32 [Mt, Kt]).
 
     Pads x with zeros to whole tiles (zeros never raise an amax), takes one amax per tile, applies
@@ -176,14 +164,8 @@ if HAS_TRITON:
         tl.store(data_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
 
 
-def float8_block_quantize_triton(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    tile_rows: int,
-    force_pow_2_scales: bool,
-    amax_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def float8_block_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int,
+                                 force_pow_2_scales: bool, amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_float8_block_quantize_kernel``; same contract as the reference. Takes CPU tensors
     too under ``TRITON_INTERPRET=1`` (the tests run it that way)."""
     require_triton("float8_block_quantize_triton")
@@ -208,14 +190,8 @@ def float8_block_quantize_triton(
     return data, scale_inv
 
 
-def float8_block_quantize(
-    x: torch.Tensor,
-    fp8_dtype: torch.dtype,
-    *,
-    tile_rows: int,
-    force_pow_2_scales: bool,
-    amax_epsilon: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def float8_block_quantize(x: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int,
+                          force_pow_2_scales: bool, amax_epsilon: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Block quantize x [M, K]: the Triton kernel for CUDA tensors when Triton is present, the
     plain-torch reference otherwise (on CPU as one opaque op, for compile time: see
     ``nvfp4_quantize``). Returns (data uint8 [M, K], scale_inv fp32 [Mt, Kt])."""

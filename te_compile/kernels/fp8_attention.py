@@ -40,6 +40,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from torch import Tensor
 
 from ..scaling import cast_to_fp8, compute_scale, fp8_max
 from ._fp_bits import HAS_TRITON, use_triton
@@ -61,8 +62,8 @@ P_SCALE = fp8_max(E4M3)
 BLOCK_N = 64   # keys per step of the online softmax
 
 
-def quantize_heads(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3,
-                   scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_heads(x: Tensor, fp8_dtype: torch.dtype = E4M3,
+                   scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """x [B, H, T, D] -> (FP8 bytes [B, H, T, D], descale [B, H] fp32): current scaling per (batch,
     head), with the per-tensor recipes' scale rules (an all-zero head gets scale 1). ``scale`` (fp32
     [1]): one given scale for the whole tensor instead (delayed scaling); every head's descale is its
@@ -76,8 +77,8 @@ def quantize_heads(x: torch.Tensor, fp8_dtype: torch.dtype = E4M3,
     return data, torch.div(torch.ones_like(scale), scale)
 
 
-def _block_bias(mask: Optional[torch.Tensor], causal: bool, rows: int, cols: torch.Tensor,
-                device) -> Optional[torch.Tensor]:
+def _block_bias(mask: Optional[Tensor], causal: bool, rows: int, cols: Tensor,
+                device) -> Optional[Tensor]:
     """The additive bias for key columns ``cols`` (0 or -inf, or the float mask), broadcastable to
     [B, H, Tq, len(cols)]; None when nothing is masked."""
     bias = None
@@ -93,18 +94,17 @@ def _block_bias(mask: Optional[torch.Tensor], causal: bool, rows: int, cols: tor
     return bias
 
 
-def _score_scale(q_descale: torch.Tensor, k_descale: torch.Tensor, group: int, sm_scale: float) -> torch.Tensor:
+def _score_scale(q_descale: Tensor, k_descale: Tensor, group: int, sm_scale: float) -> Tensor:
     """[B, H, 1, 1]: what (q8 @ k8ᵀ) is multiplied by to give the scores, (q_descale * k_descale) * sm_scale
     (the kernels' order of operations too)."""
     return (q_descale * k_descale.repeat_interleave(group, dim=1) * sm_scale)[..., None, None]
 
 
 def fp8_attention_forward_reference(
-    q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
-    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
-    *, sm_scale: float, causal: bool = False, mask: Optional[torch.Tensor] = None,
-    block_n: int = BLOCK_N, out_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor, *,
+    sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None, block_n: int = BLOCK_N,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
     """(o [B, H, Tq, D] in ``out_dtype``, lse [B, H, Tq] fp32) from FP8 q8 [B, H, Tq, D], k8 and v8
     [B, Hkv, Tk, D] and their descales ([B, H], [B, Hkv]). ``mask``: boolean (True = attend) or
     additive float, broadcastable to [B, H, Tq, Tk]."""
@@ -145,14 +145,14 @@ def fp8_attention_forward_reference(
     return o.to(out_dtype), lse
 
 
-def dequantize_heads(x8: torch.Tensor, descale: torch.Tensor, group: int = 1) -> torch.Tensor:
+def dequantize_heads(x8: Tensor, descale: Tensor, group: int = 1) -> Tensor:
     """``quantize_heads``'s inverse: FP8 [B, Hx, T, D] and descale [B, Hx] -> fp32 [B, Hx * group, T, D]
     (each head repeated ``group`` times, as grouped-query attention reads a key/value head)."""
     x = x8.to(torch.float32) * descale[..., None, None]
     return x.repeat_interleave(group, dim=1) if group > 1 else x
 
 
-def _per_kv_head(x: torch.Tensor, group: int) -> torch.Tensor:
+def _per_kv_head(x: Tensor, group: int) -> Tensor:
     """[B, H, T, D] per query head -> [B, H / group, T, D]: a key/value head's gradient is the sum
     over the query heads it serves."""
     if group == 1:
@@ -161,9 +161,9 @@ def _per_kv_head(x: torch.Tensor, group: int) -> torch.Tensor:
     return x.reshape(b, h // group, group, t, d).sum(dim=2)
 
 
-def _fp8_grad_scales(do32: torch.Tensor, v8: torch.Tensor, v_descale: torch.Tensor, group: int,
-                     grad_dtype: torch.dtype, do_scale: Optional[torch.Tensor] = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _fp8_grad_scales(do32: Tensor, v8: Tensor, v_descale: Tensor, group: int,
+                     grad_dtype: torch.dtype, do_scale: Optional[Tensor] = None
+                     ) -> tuple[Tensor, Tensor, Tensor]:
     """The "fp8" backward's scales: (dO in ``grad_dtype`` [B, H, Tq, D], its descale [B, H], dS's scale
     [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|). ``do_scale``: dO's
     delayed-scaling scale (fp32 [1]), else dO is current-scaled per (batch, head)."""
@@ -174,12 +174,10 @@ def _fp8_grad_scales(do32: torch.Tensor, v8: torch.Tensor, v_descale: torch.Tens
 
 
 def fp8_attention_backward_reference(
-    do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
-    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
-    o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
-    mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-    grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
+    o: Tensor, lse: Tensor, *, sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None,
+    fp8_grads: bool = False, grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """(dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]) in fp32, from dO [B, H, Tq, D], the forward's FP8
     operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
     "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS, ``do_scale`` dO's
@@ -304,11 +302,10 @@ if HAS_TRITON:
 
 
 def fp8_attention_forward_triton(
-    q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
-    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
-    *, sm_scale: float, causal: bool = False, mask: Optional[torch.Tensor] = None,
-    block_n: int = BLOCK_N, out_dtype: torch.dtype = torch.float32,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor, *,
+    sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None, block_n: int = BLOCK_N,
+    out_dtype: torch.dtype = torch.float32,
+) -> tuple[Tensor, Tensor]:
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
     require_triton("fp8_attention_forward_triton")
     b, h, tq, d = q8.shape
@@ -336,13 +333,13 @@ def fp8_attention_forward_triton(
     return o, lse
 
 
-def _use_kernels(q8: torch.Tensor) -> bool:
+def _use_kernels(q8: Tensor) -> bool:
     """Real CUDA tensors on a GPU with FP8 tensor cores (sm89+) run the Triton kernels."""
     return use_triton(q8) and torch.cuda.get_device_capability(q8.device) >= (8, 9)
 
 
 def fp8_attention_forward(q8, k8, v8, q_descale, k_descale, v_descale, *, sm_scale: float, causal: bool = False,
-                          mask: Optional[torch.Tensor] = None, out_dtype: torch.dtype = torch.float32):
+                          mask: Optional[Tensor] = None, out_dtype: torch.dtype = torch.float32):
     """(o, lse) as ``fp8_attention_forward_reference`` computes them: the Triton kernel on sm89+ GPUs,
     the reference elsewhere."""
     impl = fp8_attention_forward_triton if _use_kernels(q8) else fp8_attention_forward_reference
@@ -392,15 +389,44 @@ if HAS_TRITON:
         return ds
 
     @triton.jit
-    def _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr):
+    def _bwd_head(pid_bh, H, GROUP, sm_scale, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr):
         """Both backward kernels' (batch, head) program: (b, h, its key/value head, q, k, v descales,
-        dO's descale, dS's scale)."""
+        dO's descale, dS's scale, the scores' scale (q_descale * k_descale) * sm_scale)."""
         b = pid_bh // H
         h = pid_bh % H
         hkv = h // GROUP
         hkv_all = H // GROUP
-        return (b, h, hkv, tl.load(qd_ptr + b * H + h), tl.load(kd_ptr + b * hkv_all + hkv),
-                tl.load(vd_ptr + b * hkv_all + hkv), tl.load(dod_ptr + pid_bh), tl.load(dss_ptr + pid_bh))
+        qd = tl.load(qd_ptr + b * H + h)
+        kd = tl.load(kd_ptr + b * hkv_all + hkv)
+        return (b, h, hkv, qd, kd, tl.load(vd_ptr + b * hkv_all + hkv), tl.load(dod_ptr + pid_bh),
+                tl.load(dss_ptr + pid_bh), qd * kd * sm_scale)
+
+    @triton.jit
+    def _query_block(q_ptr, do_ptr, do8_ptr, lse_ptr, delta_ptr, b, h, pid_bh, rows, dims, TQ, D,
+                     s_qb, s_qh, s_qt, s_db, s_dh, s_dt, FP8_GRADS: tl.constexpr):
+        """What the backward reads of the queries ``rows`` [BLOCK_M] of head (b, h): (FP8 q [BLOCK_M,
+        BLOCK_D], lse [BLOCK_M], D [BLOCK_M], dO [BLOCK_M, BLOCK_D] in the gradient format under
+        FP8_GRADS else fp32, the tile's mask). Rows past TQ read q = dO = 0, lse = -inf (so P = 0), D = 0."""
+        rmask = rows < TQ
+        tile = rmask[:, None] & (dims < D)[None, :]
+        q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile, other=0.0)
+        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
+        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
+        d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
+        if FP8_GRADS:
+            do = tl.load(do8_ptr + d_off, mask=tile, other=0.0)
+        else:
+            do = tl.load(do_ptr + d_off, mask=tile, other=0.0).to(tl.float32)
+        return q, lse, delta, do, tile
+
+    @triton.jit
+    def _key_block(k_ptr, v_ptr, b, hkv, cols, dims, TK, D, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt):
+        """FP8 k and v [BLOCK_N, BLOCK_D] of the keys ``cols`` [BLOCK_N] of key/value head (b, hkv), and
+        the tile's mask; keys past TK read 0."""
+        tile = (cols < TK)[:, None] & (dims < D)[None, :]
+        k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile, other=0.0)
+        v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile, other=0.0)
+        return k, v, tile
 
     @triton.jit
     def _fp8_attention_bwd_dkdv_kernel(
@@ -412,41 +438,32 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, P_SCALE: tl.constexpr, FP8_GRADS: tl.constexpr,
         GRAD_E4M3: tl.constexpr,
     ):
-        pid_n = tl.program_id(0)
+        """Program (key block n, batch * head): dK and dV [BLOCK_N, D] of keys [n * BLOCK_N, +BLOCK_N)
+        for one query head, from every block of BLOCK_M queries that sees them (written per query head,
+        [B, H, Tk, D]; the launcher sums each key/value head's group)."""
         pid_bh = tl.program_id(1)
-        b, h, hkv, qd, kd, vd, dod, dss = _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr)
-        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        b, h, hkv, qd, kd, vd, dod, dss, kv_scale = _bwd_head(pid_bh, H, GROUP, sm_scale, qd_ptr, kd_ptr, vd_ptr,
+                                                              dod_ptr, dss_ptr)
         dims = tl.arange(0, BLOCK_D)
-        cmask = cols < TK
-        dmask = dims < D
-        tile_n = cmask[:, None] & dmask[None, :]
-        k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)
-        v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
-        kv_scale = qd * kd * sm_scale
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k, v, tile_n = _key_block(k_ptr, v_ptr, b, hkv, cols, dims, TK, D, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt)
         dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         dv = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
         lo = 0
         if CAUSAL:   # queries before this key block see none of it
-            lo = (pid_n * BLOCK_N // BLOCK_M) * BLOCK_M
+            lo = (tl.program_id(0) * BLOCK_N // BLOCK_M) * BLOCK_M
         for start in range(lo, TQ, BLOCK_M):
             rows = start + tl.arange(0, BLOCK_M)
-            rmask = rows < TQ
-            tile_m = rmask[:, None] & dmask[None, :]
-            q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile_m, other=0.0)
-            lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
-            delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
+            q, lse, delta, do, tile_m = _query_block(q_ptr, do_ptr, do8_ptr, lse_ptr, delta_ptr, b, h, pid_bh, rows,
+                                                     dims, TQ, D, s_qb, s_qh, s_qt, s_db, s_dh, s_dt, FP8_GRADS)
             mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
             p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
-            d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
+            ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
             if FP8_GRADS:
-                do = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
                 dv += tl.dot(tl.trans(round_to_e4m3(p * P_SCALE).to(tl.float8e4nv)), do)
-                ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
                 dk += tl.dot(tl.trans(ds), q)
             else:
-                do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
                 dv += tl.dot(tl.trans(p), do)
-                ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
                 dk += tl.dot(tl.trans(ds), q.to(tl.float32) * qd)
         if FP8_GRADS:
             dv = dv * (dod / P_SCALE)
@@ -467,32 +484,22 @@ if HAS_TRITON:
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, P_SCALE: tl.constexpr, FP8_GRADS: tl.constexpr,
         GRAD_E4M3: tl.constexpr,
     ):
-        pid_m = tl.program_id(0)
+        """Program (query block m, batch * head): dQ [BLOCK_M, D] of queries [m * BLOCK_M, +BLOCK_M),
+        from every block of BLOCK_N keys they see."""
         pid_bh = tl.program_id(1)
-        b, h, hkv, qd, kd, vd, dod, dss = _bwd_head(pid_bh, H, GROUP, qd_ptr, kd_ptr, vd_ptr, dod_ptr, dss_ptr)
-        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        b, h, hkv, qd, kd, vd, dod, dss, kv_scale = _bwd_head(pid_bh, H, GROUP, sm_scale, qd_ptr, kd_ptr, vd_ptr,
+                                                              dod_ptr, dss_ptr)
         dims = tl.arange(0, BLOCK_D)
-        rmask = rows < TQ
-        dmask = dims < D
-        tile_m = rmask[:, None] & dmask[None, :]
-        q = tl.load(q_ptr + b * s_qb + h * s_qh + rows[:, None] * s_qt + dims[None, :], mask=tile_m, other=0.0)
-        kv_scale = qd * kd * sm_scale
-        lse = tl.load(lse_ptr + pid_bh * TQ + rows, mask=rmask, other=float("-inf"))
-        delta = tl.load(delta_ptr + pid_bh * TQ + rows, mask=rmask, other=0.0)
-        d_off = b * s_db + h * s_dh + rows[:, None] * s_dt + dims[None, :]
-        if FP8_GRADS:
-            do = tl.load(do8_ptr + d_off, mask=tile_m, other=0.0)
-        else:
-            do = tl.load(do_ptr + d_off, mask=tile_m, other=0.0).to(tl.float32)
+        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        q, lse, delta, do, tile_m = _query_block(q_ptr, do_ptr, do8_ptr, lse_ptr, delta_ptr, b, h, pid_bh, rows,
+                                                 dims, TQ, D, s_qb, s_qh, s_qt, s_db, s_dh, s_dt, FP8_GRADS)
         dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         hi = TK
-        if CAUSAL:
-            hi = tl.minimum(TK, (pid_m + 1) * BLOCK_M)
+        if CAUSAL:   # keys after this query block are masked for all of it
+            hi = tl.minimum(TK, (tl.program_id(0) + 1) * BLOCK_M)
         for start in range(0, hi, BLOCK_N):
             cols = start + tl.arange(0, BLOCK_N)
-            tile_n = (cols < TK)[:, None] & dmask[None, :]
-            k = tl.load(k_ptr + b * s_kb + hkv * s_kh + cols[:, None] * s_kt + dims[None, :], mask=tile_n, other=0.0)
-            v = tl.load(v_ptr + b * s_vb + hkv * s_vh + cols[:, None] * s_vt + dims[None, :], mask=tile_n, other=0.0)
+            k, v, tile_n = _key_block(k_ptr, v_ptr, b, hkv, cols, dims, TK, D, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt)
             mptr = mask_ptr + b * s_mb + h * s_mh + rows[:, None] * s_mq + cols[None, :] * s_mk
             p = _probs(q, k, kv_scale, lse, rows, cols, TQ, TK, mptr, CAUSAL, MASK_KIND)
             ds = _dscores(p, do, v, vd, dod, delta, dss, FP8_GRADS, GRAD_E4M3)
@@ -519,12 +526,10 @@ def _mask_args(mask, b, h, tq, tk, fallback):
 
 
 def fp8_attention_backward_triton(
-    do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor,
-    q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
-    o: torch.Tensor, lse: torch.Tensor, *, sm_scale: float, causal: bool = False,
-    mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-    grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    do: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
+    o: Tensor, lse: Tensor, *, sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None,
+    fp8_grads: bool = False, grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
     require_triton("fp8_attention_backward_triton")
     b, h, tq, d = q8.shape
@@ -567,8 +572,8 @@ def fp8_attention_backward_triton(
 
 
 def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, *, sm_scale: float,
-                           causal: bool = False, mask: Optional[torch.Tensor] = None, fp8_grads: bool = False,
-                           grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[torch.Tensor] = None):
+                           causal: bool = False, mask: Optional[Tensor] = None, fp8_grads: bool = False,
+                           grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None):
     """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them: the Triton kernels on sm89+
     GPUs, the reference elsewhere."""
     impl = fp8_attention_backward_triton if _use_kernels(q8) else fp8_attention_backward_reference

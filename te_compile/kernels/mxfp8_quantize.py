@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from ._launch import launch_row_tiles, require_triton
+from ._launch import INPUT_DTYPES, check_input, launch_row_tiles, require_triton
 from ..scaling import fp8_max
 
 __all__ = ["MXFP8_BLOCK", "mxfp8_quantize", "mxfp8_quantize_reference", "mxfp8_quantize_triton",
@@ -35,6 +35,10 @@ _FP8_NAN = 0x7F
 # Tile of the Triton kernel: [_BLOCK_M rows, _BLOCK_K columns] = _BLOCK_K // 32 scale blocks per row.
 _BLOCK_M = 32
 _BLOCK_K = 128
+
+# x's dtypes: the kernels' three, and float64, which this quantizer has always accepted; both paths
+# narrow x to fp32 before anything else
+_X_DTYPES = (*INPUT_DTYPES, torch.float64)
 
 if HAS_TRITON:
     import triton
@@ -98,11 +102,7 @@ if HAS_TRITON:
 def _validate(x: torch.Tensor, fp8_dtype: torch.dtype) -> float:
     """fp8_max of ``fp8_dtype`` after checking the arguments."""
     limit = fp8_max(fp8_dtype)  # validates the dtype, naming the allowed ones
-    if not isinstance(x, torch.Tensor) or x.dim() != 2:
-        shape = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a 2-D tensor [M, K], got {shape}")
-    if not x.is_floating_point():
-        raise ValueError(f"x must be a floating-point tensor (fp32, bf16 or fp16), got {x.dtype}")
+    check_input(x, _X_DTYPES)
     return limit
 
 

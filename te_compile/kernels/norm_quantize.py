@@ -1,6 +1,6 @@
 """LayerNorm / RMSNorm fused with per-tensor FP8 quantization of the output, and the norm's backward.
 
-One norm feeding FP8 linears becomes three steps (lowerings/norm_linear.py):
+One norm feeding FP8 linears becomes three steps (lowerings/norm_fusion.py):
 
     norm_stats(x, w, b, spec)                       -> mean [M], rstd [M], amax [1] of the output
     norm_quantize(x, w, b, mean, rstd, scale, ...)  -> data [M, K] and data_t [K, M], FP8 bytes
@@ -18,7 +18,7 @@ bytes the wgrad GEMM reads. The output is, for x: [M, K] and ``spec`` (all arith
     h = round(h + b, prod_dtype)     the product's dtype, then each dtype of ``casts`` in turn
 
 round(v, d) stands for ``v.to(d).float()``. The quantized operand is ``clamp(h * scale).to(fp8)``,
-exactly te's unfused path applied to h. The references are plain torch (inductor fuses them on CPU
+exactly te's unfused path applied to h. ``spec`` is a te_compile.norm_spec.NormSpec. The references are plain torch (inductor fuses them on CPU
 and inside compiled CPU graphs); the Triton kernels run for CUDA tensors and are registered with
 ``torch.library.triton_op`` so inductor schedules them like its own. ``norm_quantize``'s kernel equals
 its reference bit for bit given the same stats; the stats and the backward sum in a different order
@@ -27,59 +27,17 @@ than torch does, so they agree with their references to fp32 rounding.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
+from ..norm_spec import NormSpec
+from ..scaling import fp8_max
 from ._fp_bits import HAS_TRITON
 from ._launch import require_triton
-from ..scaling import fp8_max
 
-__all__ = ["NormSpec", "norm_forward_reference", "norm_stats", "norm_stats_reference", "norm_quantize",
+__all__ = ["norm_forward_reference", "norm_stats", "norm_stats_reference", "norm_quantize",
            "norm_quantize_reference", "norm_backward", "norm_backward_reference"]
-
-_KINDS = ("layer_norm", "rms_norm")
-_ROUNDED = (torch.float32, torch.bfloat16, torch.float16)   # dtypes the kernels can round to
-
-
-@dataclass(frozen=True)
-class NormSpec:
-    """What a norm computes, beyond its tensors (see the module docstring)."""
-
-    kind: str                                   # "layer_norm" | "rms_norm"
-    eps: float
-    zero_centered: bool = False                 # h * (1 + w)
-    pre_dtype: Optional[torch.dtype] = None     # xhat rounded to this dtype before the weight product
-    prod_dtype: torch.dtype = torch.float32     # the dtype the product (+ bias) rounds to
-    casts: tuple[torch.dtype, ...] = ()         # later casts, in order (the norm's own, then its readers')
-
-    def __post_init__(self):
-        if self.kind not in _KINDS:
-            raise ValueError(f"NormSpec.kind must be one of {_KINDS}, got {self.kind!r}")
-        optional = () if self.pre_dtype is None else (self.pre_dtype,)
-        for d in (*optional, self.prod_dtype, *self.casts):
-            if d not in _ROUNDED:
-                raise ValueError(f"NormSpec dtypes must be among {_ROUNDED}, got {d}")
-
-    @property
-    def out_dtype(self) -> torch.dtype:
-        return self.casts[-1] if self.casts else self.prod_dtype
-
-    def encode(self) -> str:
-        """The spec as a string, for custom-op schemas (which take no dataclasses)."""
-        names = lambda ds: ",".join(str(d).removeprefix("torch.") for d in ds)  # noqa: E731
-        return "|".join([self.kind, repr(self.eps), str(int(self.zero_centered)),
-                         names([self.pre_dtype] if self.pre_dtype else []), names([self.prod_dtype]),
-                         names(self.casts)])
-
-    @staticmethod
-    def decode(text: str) -> "NormSpec":
-        kind, eps, zc, pre, prod, casts = text.split("|")
-        dtypes = lambda s: tuple(getattr(torch, n) for n in s.split(",") if n)  # noqa: E731
-        return NormSpec(kind, float(eps), zc == "1", (dtypes(pre) or (None,))[0], dtypes(prod)[0],
-                        dtypes(casts))
-
 
 def _validate(x: torch.Tensor, weight, bias) -> None:
     if not isinstance(x, torch.Tensor) or x.dim() != 2 or not x.is_floating_point():

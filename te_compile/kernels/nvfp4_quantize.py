@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ._fp_bits import HAS_TRITON, use_triton
-from ._launch import launch_row_tiles, require_triton
+from ._launch import check_input, launch_row_tiles, require_triton
 from ..scaling import FLT_MAX, scale_for_limit
 
 __all__ = [
@@ -58,7 +58,6 @@ E2M1_MAX = 6.0
 E4M3_MAX = 448.0
 
 _TILE_ROWS = (1, NVFP4_BLOCK)
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # Kernel tile: 32 rows x 128 columns (8 blocks of 16); 32 is a multiple of the 16-row weight tiles.
 _BLOCK_M = 32
 _BLOCK_K = 128
@@ -69,12 +68,7 @@ _E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, 
 
 def _check_args(x: torch.Tensor, global_amax: torch.Tensor, tile_rows: int,
                 rand: Optional[torch.Tensor]) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise ValueError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D [M, K], got shape {tuple(x.shape)}")
-    if x.dtype not in _INPUT_DTYPES:
-        raise ValueError(f"x.dtype must be one of {list(_INPUT_DTYPES)}, got {x.dtype}")
+    check_input(x)
     if x.shape[1] % NVFP4_BLOCK != 0:
         raise ValueError(f"x: K must be a multiple of {NVFP4_BLOCK}, got shape {tuple(x.shape)}")
     if not isinstance(global_amax, torch.Tensor) or global_amax.numel() != 1:
@@ -124,13 +118,8 @@ def _e2m1_magnitude_sr(a: torch.Tensor, rand: torch.Tensor) -> torch.Tensor:
     return lo_code + (rand < p).to(torch.int32)
 
 
-def nvfp4_quantize_reference(
-    x: torch.Tensor,
-    global_amax: torch.Tensor,
-    *,
-    tile_rows: int,
-    rand: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_quantize_reference(x: torch.Tensor, global_amax: torch.Tensor, *, tile_rows: int,
+                             rand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Plain-torch NVFP4 quantize. x: [M, K] -> (data uint8 [M, K // 2], scale uint8 [M, K // 16]).
 
     Pads the rows with zeros to whole tiles (zeros never raise an amax), takes one amax per tile,
@@ -334,13 +323,8 @@ if HAS_TRITON:
         tl.store(data_ptr + rows[:, None] * (K // 2) + pairs[None, :], byte, mask=mask)
 
 
-def nvfp4_quantize_triton(
-    x: torch.Tensor,
-    global_amax: torch.Tensor,
-    *,
-    tile_rows: int,
-    rand: Optional[torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_quantize_triton(x: torch.Tensor, global_amax: torch.Tensor, *, tile_rows: int,
+                          rand: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
     """Launch ``_nvfp4_quantize_kernel``; same contract as the reference. Takes CPU tensors too
     under ``TRITON_INTERPRET=1`` (the tests run it that way)."""
     require_triton("nvfp4_quantize_triton")
@@ -377,13 +361,8 @@ def _(x, global_amax, tile_rows, rand):
     return x.new_empty((m, k // 2), dtype=torch.uint8), x.new_empty((m, k // NVFP4_BLOCK), dtype=torch.uint8)
 
 
-def nvfp4_quantize(
-    x: torch.Tensor,
-    global_amax: torch.Tensor,
-    *,
-    tile_rows: int,
-    rand: Optional[torch.Tensor] = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def nvfp4_quantize(x: torch.Tensor, global_amax: torch.Tensor, *, tile_rows: int,
+                   rand: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """NVFP4-quantize x [M, K] with the tensor amax ``global_amax`` ([1]): the Triton kernel for
     CUDA tensors when Triton is present, the plain-torch reference otherwise. ``rand`` (fp32 [M, K]
     uniform [0, 1)) selects stochastic rounding. Returns (data uint8 [M, K // 2], scale uint8
@@ -391,7 +370,7 @@ def nvfp4_quantize(
 
     On CPU the reference runs as one opaque op (``te_compile::nvfp4_quantize_cpu``): a compiled graph
     calls it rather than have inductor generate and compile C++ for its ~40 ops at every call site,
-    which made most of an NVFP4 model's compile time (issue 17). Elsewhere torch.compile traces the
+    which made most of an NVFP4 model's compile time. Elsewhere torch.compile traces the
     reference and inductor fuses it."""
     if use_triton(x):
         return nvfp4_quantize_triton(x, global_amax, tile_rows=tile_rows, rand=rand)

@@ -1,12 +1,11 @@
-"""What each rewritten site becomes: autograd functions around quantized GEMMs, per recipe and device."""
+"""What each rewritten site becomes: callables around autograd functions of quantized GEMMs.
 
-from .gemm import dequantized_gemm, fp8_gemm, uses_native_fp8_gemm
-from .linear import SUPPORTED_RECIPES, LinearLowering, LinearSpec, gemm_kind
-from .quantizers import quantizer_factory
-from .block_gemm import native_block_gemm  # noqa: I001 (after .linear, which loads te_compile.tensor first)
-from .block_gemm_probe import native_block_gemm_support
-from .scaled_mm_op import block_scaled_mm
+One module per site kind, named as the pass that inserts it (te_compile/passes/): ``linear``,
+``norm_fusion``, ``activation_fusion``, ``attention``, ``attention_inputs``, ``attention_projection``,
+``delayed_state``; the linear's recipe paths beside them (``fp8_linear``: per-tensor FP8;
+``quantized_linear``: quantizer objects; ``sharded_linear``: DTensor operands).
+"""
 
-__all__ = ["LinearLowering", "LinearSpec", "SUPPORTED_RECIPES", "gemm_kind", "quantizer_factory",
-           "fp8_gemm", "dequantized_gemm", "uses_native_fp8_gemm",
-           "native_block_gemm", "native_block_gemm_support", "block_scaled_mm"]
+from .linear import LinearLowering, LinearSpec, gemm_kind
+
+__all__ = ["LinearLowering", "LinearSpec", "gemm_kind"]

@@ -14,7 +14,7 @@ FP8 bytes to get FP8 q, k, v, and the attention reads those instead of quantizin
 The bits are those of the attention quantizing q, k, v itself: the same elements times the same
 fp32 scale, clamped and cast, and the max of the same magnitudes. What changes is where the cast
 runs: on the projection's output as its GEMM laid it out, one pass over y for all three (inductor
-fuses it with the bias add), where the FP8-output GEMM (kernels/fp8_gemm.py) can take it over once a
+fuses it with the bias add), where the FP8-output GEMM (experiments/fp8_gemm.py) can take it over once a
 GPU has measured that; the attention no longer reads q, k, v in high precision at all.
 """
 

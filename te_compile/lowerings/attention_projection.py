@@ -20,15 +20,17 @@ from dataclasses import dataclass
 
 import torch
 
+from ..gemm.per_tensor import column_major
+from ..quantization import quantize_per_tensor
 from ..scaling import tensor_amax
-from .fp8_attention import (
+from .attention import (
     AttentionLowering,
     AttentionSpec,
     attention_forward,
     split_fp8_inputs,
 )
-from .fp8_linear import _column_major, _quantize_per_tensor, fp8_dgrad_wgrad, fp8_fprop
-from .linear import LinearLowering, _autocast_dtype
+from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
+from .linear import LinearLowering, autocast_dtype
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
 
@@ -60,7 +62,7 @@ class AttentionProjectionFunction(torch.autograd.Function):
                                                                         fp8_inputs)
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
-        xq, x_sinv, x_amax = _quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))
+        xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype)
         ctx.spec = spec
@@ -81,7 +83,7 @@ class AttentionProjectionFunction(torch.autograd.Function):
         o_dtype, w_dtype = ctx.dtypes
         b, h, t, d = ctx.shape
         dx, dw, g_amax = fp8_dgrad_wgrad(grad_y, spec.recipe, wq, w_sinv, x_sinv,
-                                         (lambda: _column_major(xq)) if ctx.needs_input_grad[10] else None,
+                                         (lambda: column_major(xq)) if ctx.needs_input_grad[10] else None,
                                          dx_dtype=o_dtype, dw_dtype=w_dtype, g_scale=g_scale)
         do = dx.reshape(b, t, h, d).transpose(1, 2).contiguous()
         # O for the attention backward: the projection's FP8 input seen as [B, H, T, D], one descale
@@ -121,7 +123,7 @@ class AttentionProjectionLowering:
     def __call__(self, q, k, v, mask, *rest):
         rest, fp8_inputs = split_fp8_inputs(self.spec.attention, rest)
         a_delayed, (weight, bias, *l_delayed) = rest[:self._n], rest[self._n:]
-        if _autocast_dtype(q) is not None:
+        if autocast_dtype(q) is not None:
             o = self._attention(q, k, v, mask, *a_delayed, *_call_args(fp8_inputs))
             b, h, t, d = o.shape
             x = o.transpose(1, 2).reshape(b * t, h * d) if self.spec.flat else o.transpose(1, 2).reshape(b, t, h * d)

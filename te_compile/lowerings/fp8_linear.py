@@ -1,7 +1,10 @@
 """Per-tensor FP8 linear (current and delayed scaling) as an autograd.Function.
 
 aot_autograd traces its forward and backward and inductor fuses the amax / scale / cast ops into
-neighbouring kernels; the GEMMs are torch._scaled_mm (te_compile.lowerings.gemm.fp8_gemm).
+neighbouring kernels; the GEMMs are torch._scaled_mm (te_compile.gemm.per_tensor.fp8_gemm). The
+quantize itself is te_compile.quantization's, shared with the eager features; this module adds the
+GEMMs around it (``fp8_fprop``, ``fp8_dgrad_wgrad``), which the fused lowerings (norm, activation,
+attention projection) call with an FP8 input they made themselves.
 
 GEMMs (HYBRID: E4M3 forward tensors, E5M2 gradients; all E4M3 for the E4M3 format):
 - fprop  y  = x  @ w.T   : x  [M, K] E4M3 (row-major),  w  [N, K] E4M3 (as column-major [K, N])
@@ -20,39 +23,12 @@ from __future__ import annotations
 import torch
 
 from ..distributed import reduce_amaxes
-from ..recipe import DelayedScaling, Float8CurrentScaling
-from ..scaling import cast_to_fp8, compute_scale, tensor_amax
+from ..gemm.per_tensor import column_major, fp8_gemm
+from ..quantization import quantize_per_tensor, weight_is_operand
+from ..scaling import tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor
-from .gemm import fp8_gemm
-from .quantizers import weight_is_operand
 
-__all__ = ["Fp8LinearFunction", "PER_TENSOR_RECIPES", "NO_GROUPS", "current_scale", "quantize_weight", "fp8_fprop",
-           "fp8_dgrad_wgrad"]
-
-PER_TENSOR_RECIPES = (Float8CurrentScaling, DelayedScaling)
-NO_GROUPS = ((), (), ())
-
-
-def current_scale(amax: torch.Tensor, role: str, recipe) -> torch.Tensor:
-    """Current scaling's scale [1] for ``role`` from ``amax`` [1], with the recipe's options."""
-    return compute_scale(amax, recipe.fp8_format.dtype_for(role), force_pow_2_scales=recipe.use_power_2_scales,
-                         amax_epsilon=recipe.amax_epsilon)
-
-
-def _quantize_per_tensor(t, role, recipe, scale=None, amax=None):
-    """(fp8 data, scale_inv [1], amax [1]) of ``t`` for ``role``.
-
-    scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
-    scale [1] from steps <= t-1, read only (delayed_update.py folds in step t). amax: ``t``'s amax
-    when the caller has it (all-reduced across ranks), else computed here.
-    """
-    fp8_dtype = recipe.fp8_format.dtype_for(role)
-    amax = tensor_amax(t) if amax is None else amax
-    if scale is None:
-        scale = current_scale(amax, role, recipe)
-    data = cast_to_fp8(t, scale, fp8_dtype)
-    scale_inv = torch.div(torch.ones_like(scale), scale)
-    return data, scale_inv, amax
+__all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad"]
 
 
 def quantize_weight(w_nk, recipe, scale=None, amax=None):
@@ -62,7 +38,7 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None):
     te_compile/fsdp.py; FP8 primary weights, te_compile/primary_weights.py) is used as it is: its
     bytes and scale, no second quantization. Under delayed scaling its amax still goes into the
     history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
-    one its bytes show. Any other weight is quantized like every operand (``_quantize_per_tensor``).
+    one its bytes show. Any other weight is quantized like every operand (``quantize_per_tensor``).
     """
     if weight_is_operand(w_nk, recipe):
         data = w_nk._data.view(w_nk._fp8_dtype)
@@ -74,12 +50,7 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None):
         return data, scale_inv, amax
     if isinstance(w_nk, QuantizedTensor):   # another format: its values, quantized again
         w_nk = w_nk.dequantize()
-    return _quantize_per_tensor(w_nk, "weight", recipe, scale, amax)
-
-
-def _column_major(t: torch.Tensor) -> torch.Tensor:
-    """Same values, column-major layout (the b operand of _scaled_mm)."""
-    return t.t().contiguous().t()
+    return quantize_per_tensor(w_nk, "weight", recipe, scale, amax)
 
 
 def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype):
@@ -103,9 +74,9 @@ def fp8_dgrad_wgrad(grad_y, recipe, wq, w_sinv, x_sinv, x_colmajor, *, dx_dtype,
     ``dw_dtype``, where ``x_colmajor()`` gives the forward's FP8 input [M, K] column-major (saved,
     saved transposed or recomputed: the caller's choice; None: no wgrad). Returns (dx, dw, g_amax [1]).
     """
-    gq, g_sinv, g_amax = _quantize_per_tensor(grad_y, "grad_output", recipe, g_scale, g_amax)
+    gq, g_sinv, g_amax = quantize_per_tensor(grad_y, "grad_output", recipe, g_scale, g_amax)
     gq = gq.contiguous()
-    dx = None if dx_dtype is None else fp8_gemm(gq, _column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype)
+    dx = None if dx_dtype is None else fp8_gemm(gq, column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype)
     dw = None
     if x_colmajor is not None:
         dw = fp8_gemm(gq.t().contiguous(), x_colmajor(), g_sinv, x_sinv, out_dtype=dw_dtype)
@@ -121,7 +92,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read
     only, and, when a backward follows, ``carrier``: the backward returns this call's amaxes
-    [input, weight, grad_output] as the carrier's gradient, and delayed_update.py folds them into the
+    [input, weight, grad_output] as the carrier's gradient, and delayed_state.py folds them into the
     state once every site's backward has run. Current scaling passes None for all four.
     """
 
@@ -134,7 +105,7 @@ class Fp8LinearFunction(torch.autograd.Function):
                 [x_amax] = reduce_amaxes([x_amax], groups[:1])
             else:
                 x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
-        xq, x_sinv, x_amax = _quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
+        xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype)
         ctx.recipe = recipe
@@ -153,7 +124,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         if not g_scale and ctx.g_groups:
             [g_amax] = reduce_amaxes([g_amax], [ctx.g_groups])
         dx, dw, g_amax = fp8_dgrad_wgrad(
-            grad_y, ctx.recipe, wq, w_sinv, x_sinv, (lambda: _column_major(xq)) if ctx.needs_input_grad[1] else None,
+            grad_y, ctx.recipe, wq, w_sinv, x_sinv, (lambda: column_major(xq)) if ctx.needs_input_grad[1] else None,
             dx_dtype=x_dtype if ctx.needs_input_grad[0] else None, dw_dtype=w_dtype,
             g_scale=g_scale[0] if g_scale else None, g_amax=g_amax)
         carrier_grad = None

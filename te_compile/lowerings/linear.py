@@ -4,7 +4,7 @@ The backend replaces ``linear(x, w, b)`` (or ``addmm(b, x, w)`` with ``w: [in, o
 a ``LinearLowering``: plain Python around autograd.Functions, so aot_autograd traces forward and
 backward. Per-tensor recipes go to fp8_linear.py (torch._scaled_mm), block-scaled recipes and
 CustomRecipe to quantized_linear.py (quantizer objects; native block-scaled GEMMs where the pass found
-the device runs them, see block_gemm_probe.py, else dequantize-then-matmul). DTensor operands (tensor
+the device runs them, see gemm/block_probe.py, else dequantize-then-matmul). DTensor operands (tensor
 parallelism) run shard by shard through sharded_linear.py.
 """
 
@@ -15,17 +15,15 @@ from typing import Optional
 
 import torch
 
-from ..distributed import AmaxGroup
+from ..distributed import NO_GROUPS, AmaxGroup
+from ..gemm.per_tensor import fp8_gemm_kind
+from ..quantization import quantizer_factory
 from ..recipe import Recipe
-from .fp8_linear import NO_GROUPS, PER_TENSOR_RECIPES, Fp8LinearFunction
-from .gemm import fp8_gemm_kind
-from .quantizers import FACTORY_RECIPES, quantizer_factory
+from .fp8_linear import Fp8LinearFunction
 from .quantized_linear import QuantizedLinearFunction
 from .sharded_linear import plan_linear_sharding, sharded_linear
 
-__all__ = ["LinearSpec", "LinearLowering", "SUPPORTED_RECIPES", "gemm_kind"]
-
-SUPPORTED_RECIPES = PER_TENSOR_RECIPES + FACTORY_RECIPES
+__all__ = ["LinearSpec", "LinearLowering", "gemm_kind", "autocast_dtype"]
 
 
 @dataclass(frozen=True)
@@ -35,7 +33,7 @@ class LinearSpec:
     fqn: str
     recipe: Recipe
     weight_in_out: bool = False   # the call reads the weight as [in, out] (x @ W, HF Conv1D addmm)
-    native_gemm: bool = False     # block recipes: GEMMs through F.scaled_mm (block_gemm_probe said yes)
+    native_gemm: bool = False     # block recipes: GEMMs through F.scaled_mm (gemm/block_probe.py said yes)
     weight_first: bool = False    # W @ x: y = (x.mT @ W.T).mT
     # per role (input, weight, grad_output): groups current scaling all-reduces the amax over, for
     # plain tensors sharded by hand ([distributed] sharded_modules); DTensors bring their own
@@ -45,18 +43,16 @@ class LinearSpec:
 def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optional[torch.device] = None) -> str:
     """How the site's GEMMs run on ``device``, for the report; ``native`` / ``why``: the block-GEMM
     probe's answer."""
-    if isinstance(recipe, PER_TENSOR_RECIPES):
+    if recipe.per_tensor:
         return fp8_gemm_kind(device) if device is not None else "FP8 GEMMs (torch._scaled_mm)"
-    if recipe.custom():
-        return "custom quantizers, dequantize-then-matmul GEMMs"
-    fmt = {"MXFP8BlockScaling": "MXFP8", "Float8BlockScaling": "FP8 block",
-           "NVFP4BlockScaling": "NVFP4"}[recipe.name]
+    if recipe.block_format is None:
+        return f"{recipe.format_label}, dequantize-then-matmul GEMMs"
     if native:
-        return f"{fmt}, native GEMMs (F.scaled_mm)"
-    return f"{fmt}, emulated GEMMs (dequantize-then-matmul{'; ' + why if why else ''})"
+        return f"{recipe.format_label}, native GEMMs (F.scaled_mm)"
+    return f"{recipe.format_label}, emulated GEMMs (dequantize-then-matmul{'; ' + why if why else ''})"
 
 
-def _autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
+def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
     """The dtype autocast would run a linear in on ``x``'s device, or None outside autocast."""
     device_type = x.device.type
     if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
@@ -70,18 +66,15 @@ class LinearLowering:
     x: [..., K] ([..., K, M] or [K] when ``spec.weight_first``); weight: [N, K] (or [K, N] when
     ``spec.weight_in_out``); bias: added to the product ([N], or any addend that broadcasts to y) or
     None; delayed: DelayedScaling's (carrier or None, input scale, weight scale, grad_output scale),
-    see delayed_update.py, else empty. Returns [..., N] ([..., N, M] for ``weight_first``).
+    see delayed_state.py, else empty. Returns [..., N] ([..., N, M] for ``weight_first``).
 
     Under autocast the operands are cast to autocast's dtype first and the site computes in it, so
     the output dtype (and every later op) matches eager's ``linear`` under the same autocast.
     """
 
     def __init__(self, spec: LinearSpec) -> None:
-        if not isinstance(spec.recipe, SUPPORTED_RECIPES):
-            raise NotImplementedError(
-                f"{spec.fqn}: recipe {spec.recipe.name} is not supported by the te backend "
-                f"(supported: {[r.__name__ for r in SUPPORTED_RECIPES]})"
-            )
+        if not spec.recipe.per_tensor:
+            quantizer_factory(spec.recipe)   # a recipe with neither path fails here, naming itself
         self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
         # FX codegen names the call after these.
         self.__name__ = f"te_linear_{spec.recipe.name}"
@@ -90,7 +83,7 @@ class LinearLowering:
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  *delayed: Optional[torch.Tensor]) -> torch.Tensor:
-        dtype = _autocast_dtype(x)
+        dtype = autocast_dtype(x)
         if dtype is None:
             return self._linear(x, weight, bias, delayed)
         x, weight = x.to(dtype), weight.to(dtype)
@@ -120,7 +113,7 @@ class LinearLowering:
     def _local(self, x, w_nk, delayed, groups) -> torch.Tensor:
         """x [..., K] @ w_nk.T -> [..., N] on plain tensors."""
         x2d = x.reshape(-1, x.shape[-1])
-        if not isinstance(self.spec.recipe, PER_TENSOR_RECIPES):
+        if not self.spec.recipe.per_tensor:
             y = QuantizedLinearFunction.apply(x2d, w_nk, quantizer_factory(self.spec.recipe), self.spec.native_gemm,
                                               groups)
         else:

@@ -9,10 +9,10 @@ The forward quantizes the columnwise copies of x and w and saves only those (the
 not the high-precision tensors). Columnwise operands get their token dim M padded with zero rows to
 a multiple of 16 (NVFP4's block): zero rows change no block amax and add nothing to dw.
 
-GEMMs: with ``native`` (the backend sets it where block_gemm_probe found the device runs the format
-natively) each GEMM goes to F.scaled_mm through block_gemm.native_block_gemm; otherwise, and for the
+GEMMs: with ``native`` (the backend sets it where gemm/block_probe.py found the device runs the format
+natively) each GEMM goes to F.scaled_mm through gemm.block.native_block_gemm; otherwise, and for the
 pairs scaled_mm lacks (E5M2 operands, two 128x128-tiled Float8 operands), both operands are
-dequantized to fp32 and multiplied (gemm.dequantized_gemm), which the report calls "emulated".
+dequantized to fp32 and multiplied (gemm.block.dequantized_gemm), which the report calls "emulated".
 """
 
 from __future__ import annotations
@@ -22,11 +22,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..distributed import ROLES
+from ..distributed import NO_GROUPS
+from ..gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
+from ..quantization import quantize_copies
+from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved
-from .block_gemm import native_block_gemm, native_pair_supported
-from .fp8_linear import NO_GROUPS
-from .gemm import dequantized_gemm
 
 __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
 
@@ -36,15 +36,9 @@ COLUMNWISE_ROW_MULTIPLE = 16
 
 def _quantize(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
               columnwise: bool = False, groups=NO_GROUPS):
-    """The asked copies of ``t`` quantized by ``factory(role)``, as a storage object. ``groups`` (per
-    role): where the format has a tensor-level amax (NVFP4), it is all-reduced over these."""
-    quantizer = factory(role).copy()
-    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
-    role_groups = groups[ROLES.index(role)]
-    if role_groups and hasattr(quantizer, "amax_reduction_groups"):
-        quantizer.amax_reduction_groups = role_groups
-    quantizer.internal = True
-    return quantizer.quantize(t)
+    """``quantize_copies`` with the groups of ``role`` among the per-role ``groups`` (GEMM_ROLES)."""
+    return quantize_copies(factory, role, t, rowwise=rowwise, columnwise=columnwise,
+                           amax_groups=groups[GEMM_ROLES.index(role)])
 
 
 def _weight_operand(factory: Callable[[str], Quantizer], w_nk: torch.Tensor, *, columnwise: bool, groups):
@@ -80,7 +74,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 
 class QuantizedLinearFunction(torch.autograd.Function):
     """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``; ``native``: run the
-    GEMMs through F.scaled_mm (only where block_gemm_probe says the device can); ``groups``: per role,
+    GEMMs through F.scaled_mm (only where gemm/block_probe.py says the device can); ``groups``: per role,
     where the tensor-level amax is all-reduced on shards (sharded_linear.py)."""
 
     @staticmethod

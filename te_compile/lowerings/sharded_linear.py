@@ -20,7 +20,7 @@ become Replicate. Current scaling all-reduces the amax of every sharded operand 
 with the scale one process would compute for the whole tensor and the FP8 bytes are the same.
 Block recipes (MXFP8, Float8 block) scale each block from its own values: no collective; NVFP4's
 tensor-level amax is reduced like current scaling's. Delayed scaling records local amaxes, and the
-graph's one update reduces them (lowerings/delayed_update.py).
+graph's one update reduces them (lowerings/delayed_state.py).
 """
 
 from __future__ import annotations
@@ -30,22 +30,9 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import AmaxGroup, merge_role_groups, mesh_dim_group, minimal_groups
+from ..distributed import AmaxGroup, is_dtensor, merge_role_groups, mesh_dim_group, minimal_groups
 
-__all__ = ["LinearSharding", "plan_linear_sharding", "is_dtensor", "local_value", "sharded_linear"]
-
-
-def is_dtensor(t) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
-
-
-def local_value(t):
-    """A DTensor's local shard (a fake one at compile time); anything else as it is."""
-    return t._local_tensor if is_dtensor(t) else t
+__all__ = ["LinearSharding", "plan_linear_sharding", "sharded_linear"]
 
 
 @dataclass(frozen=True)

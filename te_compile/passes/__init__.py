@@ -1,11 +1,8 @@
 """FX graph rewrites: ``run_passes`` applies ``PASSES`` in order to every graph of a Dynamo capture.
 
-The driver knows nothing about any site kind. It walks the graphs once (the top level and the HOP
-bodies inside it, ``graphs.graph_scopes``), runs each pass over each of them (a pass is a function
-``(ctx, scope) -> count`` that changes ``scope``'s graph in place and reports one row per site it
-saw through ``ctx.record``), lets the recipe state collected on the way wire itself in, and cleans up:
-dead-code elimination, stable names for the lowerings (``cache_names``: so that AOTAutograd's cache
-keeps the graph), lint and recompile of every graph.
+The pass order, what each pass hands the next and why: README.md beside this file. The driver knows
+no site kind: it runs each pass over each graph, lets the recipe state collected on the way wire
+itself in, and cleans up (dead code, stable lowering names for AOTAutograd's cache, lint, recompile).
 """
 
 from __future__ import annotations
@@ -16,55 +13,34 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..config import TeConfig
-from ..config import ConfigError
-from ..distributed import AmaxGroup, resolve_amax_group
+from ..config import ConfigError, TeConfig
+from ..distributed import resolve_amax_group
 from ..report import SiteRecord
+from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
-from .attention_inputs import hand_off_attention_inputs
-from .attention_projection import fuse_attention_projections
+from .attention_projection import hand_off_fp8_mha
 from .cache_names import publish_lowerings
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
 
-@dataclass
-class PassContext:
-    """What every pass reads and adds to while the passes run over one Dynamo graph."""
-
-    config: TeConfig
-    graph_id: int
-    delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
-    amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
-    _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
-
-    def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
-        """Report a site (call before rewriting ``node``): rows come out in the order the model runs."""
-        self._records.append((scope.order_key(node), record))
-
-    def records(self) -> list[SiteRecord]:
-        return [r for _, r in sorted(self._records, key=lambda kr: kr[0])]
-
-
 Pass = Callable[[PassContext, GraphScope], int]
 
-# The order matters: the norm and activation passes fuse into the linears the linear pass created, the
-# fp8_mha passes join the attention pass's sites to them (the input side first: the output side
-# writes the row for both).
+# The order matters (README.md beside this file says why): the norm and activation passes fuse into
+# the linears the linear pass created, the fp8_mha pass joins the attention pass's sites to them.
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,
     rewrite_attention,
-    hand_off_attention_inputs,
-    fuse_attention_projections,
+    hand_off_fp8_mha,
 )
 
 

@@ -1,5 +1,5 @@
 """The activation pass: GELU / ReLU / squared ReLU / SwiGLU feeding an FP8 linear becomes one
-operation with it (lowerings/activation_linear.py). Runs after the linear pass, on its calls.
+operation with it (lowerings/activation_fusion.py). Runs after the linear pass, on its calls.
 
     a = F.gelu(h); y = fc2(a)                      -> y = te_gelu_linear(h, None, h, fc2.w, fc2.b)
     a = F.silu(g) * u; y = down_proj(a)            -> y = te_swiglu_linear(g, u, g, down.w, None)
@@ -16,23 +16,20 @@ calls (same ops, same bytes) and differentiates with autograd.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from ..lowerings.activation_linear import ActivationLinearLowering, ActivationLinearSpec
+from ..distributed import is_dtensor
+from ..lowerings.activation_fusion import ActivationLinearLowering, ActivationLinearSpec
 from ..lowerings.linear import LinearLowering
-from ..lowerings.sharded_linear import is_dtensor
 from ..report import SiteRecord
-from .graphs import GraphScope
+from .graphs import GraphScope, module_fqn
 from .matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
 from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
-from .sites import module_fqn
-
-if TYPE_CHECKING:
-    from . import PassContext
+from .context import PassContext
 
 __all__ = ["fuse_activations", "fuse_hand_written_activations"]
 
@@ -102,7 +99,7 @@ def _written_before(act: fx.Node, linear: fx.Node, inputs: tuple) -> Optional[st
     return f"its input is written in place ({', '.join(names)}) before the linear runs" if names else None
 
 
-def fuse_activations(ctx: "PassContext", scope: GraphScope) -> int:
+def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
     """Fuse each activation of ``scope`` with the FP8 linear reading it; one report row per site."""
     count = 0
     for node in list(scope.graph.nodes):
@@ -211,7 +208,7 @@ def _source(reader_input: fx.Node) -> fx.Node:
     return node
 
 
-def fuse_hand_written_activations(ctx: "PassContext", scope: GraphScope) -> int:
+def fuse_hand_written_activations(ctx: PassContext, scope: GraphScope) -> int:
     """Fuse hand-written elementwise activations into the FP8 linear reading them (see above)."""
     if not ctx.config.rewrite.activation or scope.unsupported is not None:
         return 0

@@ -4,7 +4,7 @@ saying why not.
 A site is enabled by ``[rewrite] sdpa = true`` or its recipe's ``fp8_dpa = true`` (or ``fp8_mha``,
 which implies it as in TransformerEngine and also hands O to the output projection in FP8:
 attention_projection.py). The recipe is that of the module whose
-forward calls SDPA, overrides included. The forms lowered (lowerings/fp8_attention.py):
+forward calls SDPA, overrides included. The forms lowered (lowerings/attention.py):
 
     sdpa(q, k, v)  sdpa(q, k, v, is_causal=True)  sdpa(q, k, v, attn_mask=bool or additive float mask)
     sdpa(q, k, v, enable_gqa=True) with k, v of fewer heads   sdpa(q, k, v, scale=s)
@@ -24,22 +24,17 @@ parameter there current-scales per (batch, head) and says so.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 import torch.fx as fx
 
-from ..distributed import describe_groups
-from ..lowerings.fp8_attention import AttentionLowering, AttentionSpec
-from ..lowerings.sharded_linear import is_dtensor
-from ..report import SiteRecord
+from ..distributed import describe_groups, is_dtensor
+from ..lowerings.attention import AttentionLowering, AttentionSpec
 from ..state import attention_key_param
-from .graphs import GraphScope, ParamRef
+from .graphs import GraphScope, ParamRef, module_fqn
 from .matching import shape_text, value_of
-from .sites import module_fqn
-
-if TYPE_CHECKING:
-    from . import PassContext
+from .context import PassContext
 
 __all__ = ["rewrite_attention", "MAX_HEAD_DIM"]
 
@@ -114,7 +109,7 @@ def _shapes(args: dict) -> str:
     return " ".join(text for short, name in names if (text := shape_text(short, args[name])) is not None)
 
 
-def _state_key(ctx: "PassContext", fqn: str) -> Optional[tuple[ParamRef, str]]:
+def _state_key(ctx: PassContext, fqn: str) -> Optional[tuple[ParamRef, str]]:
     """(key parameter, owner module) for the delayed-scaling state of an SDPA call in module ``fqn``:
     the module itself or its nearest ancestor that has a parameter among the graph's inputs."""
     params = {ref.name: ref for ref in ctx.delayed.top.params.values()}
@@ -127,13 +122,13 @@ def _state_key(ctx: "PassContext", fqn: str) -> Optional[tuple[ParamRef, str]]:
     return None
 
 
-def _amax_groups(ctx: "PassContext", recipe) -> tuple:
+def _amax_groups(ctx: PassContext, recipe) -> tuple:
     """The groups the update node all-reduces the site's amaxes over: the recipe's amax group. Q, K,
     V are plain local tensors (a DTensor input is not rewritten), so nothing else shards them."""
     return (ctx.amax_group,) if recipe.reduce_amax and ctx.amax_group is not None else ()
 
 
-def _delayed_inputs(ctx: "PassContext", scope: GraphScope, node: fx.Node, fqn: str, recipe):
+def _delayed_inputs(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, recipe):
     """DelayedScaling's extra lowering arguments for the site (delayed_state.py), a reason string
     when it cannot have them, or None when no parameter can key its state."""
     found = _state_key(ctx, fqn)
@@ -145,7 +140,7 @@ def _delayed_inputs(ctx: "PassContext", scope: GraphScope, node: fx.Node, fqn: s
                                         _amax_groups(ctx, recipe))
 
 
-def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
+def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
     """Rewrite the eligible SDPA calls of ``scope``; one report row per call."""
     config = ctx.config
     count = 0
@@ -155,17 +150,9 @@ def rewrite_attention(ctx: "PassContext", scope: GraphScope) -> int:
         fqn = scope.fqn(module_fqn(node))
         args = _args(node)
         recipe, why = config.recipe_for(fqn)
-
-        def record(rewritten: bool, reason: str, recipe_name=None, collectives: str = "") -> None:
-            ctx.record(scope, node, SiteRecord(fqn=fqn, op="sdpa", recipe=recipe_name, rewritten=rewritten,
-                                               reason=reason + scope.where, shapes=_shapes(args),
-                                               graph=ctx.graph_id, collectives=collectives))
-
-        if scope.unsupported is not None:
-            record(False, scope.unsupported)
-            continue
-        if recipe is None:
-            record(False, f"recipe 'none' ({why})")
+        record = ctx.recorder(scope, node, fqn, "sdpa", _shapes(args))
+        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+            record(False, alone)
             continue
         if not (config.rewrite.sdpa or recipe.fp8_dpa or recipe.fp8_mha):
             record(False, f"[rewrite] sdpa = false and {recipe.name}.fp8_dpa = false")

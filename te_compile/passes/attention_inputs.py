@@ -1,8 +1,7 @@
-"""The fp8_mha input pass: FP8 attention under DelayedScaling takes Q, K and V in FP8 from the
-projections that make them (lowerings/attention_inputs.py). Runs after the attention pass, on its
-calls, for sites whose recipe has ``fp8_mha = true``; before the output pass
-(attention_projection.py), which writes the site's one report row and reads this pass's outcome
-from the call's ``meta["te_fp8_inputs"]``.
+"""The input side of the fp8_mha pass: FP8 attention under DelayedScaling takes Q, K and V in FP8
+from the projections that make them (lowerings/attention_inputs.py). The fp8_mha pass
+(attention_projection.py) calls ``hand_off_inputs`` for each site with ``fp8_mha = true`` before it
+hands O over, and writes the site's one report row with both outcomes.
 
     y = te_linear(x, w, b)                    (or a fused norm's output for one of its linears)
     q, k, v = y.split(C, dim=2) -> view(B, T, H, D) -> transpose(1, 2)    any moves, no arithmetic
@@ -35,26 +34,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import operator
-from typing import TYPE_CHECKING, Any, Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.fx as fx
 
-from ..lowerings.activation_linear import ActivationLinearLowering
+from ..lowerings.activation_fusion import ActivationLinearLowering
 from ..lowerings.attention_inputs import ColumnQuantizeLowering, ColumnQuantizeSpec
-from ..lowerings.fp8_attention import AttentionLowering
-from ..lowerings.fp8_linear import PER_TENSOR_RECIPES
+from ..lowerings.attention import AttentionLowering
 from ..lowerings.linear import LinearLowering
-from ..lowerings.norm_linear import NormLinearsLowering
+from ..lowerings.norm_fusion import NormLinearsLowering
 from .graphs import GraphScope
 from .matching import method_or_name, value_of
 
-if TYPE_CHECKING:
-    from . import PassContext
-
-__all__ = ["hand_off_attention_inputs", "META_KEY"]
-
-META_KEY = "te_fp8_inputs"   # on the attention call: the report's words for this pass's outcome
+__all__ = ["hand_off_inputs"]
 
 # ops that move elements without changing them: each element once, or (_REPEATS) every element the same
 # number of times (transformers' repeat_kv for grouped-query attention), so that a role's amax is the
@@ -94,7 +87,7 @@ def _projection(node: fx.Node) -> Optional[str]:
         return None
     target = node.target
     if isinstance(target, (LinearLowering, ActivationLinearLowering)):
-        if isinstance(target.spec.recipe, PER_TENSOR_RECIPES) and not getattr(target.spec, "weight_first", False):
+        if target.spec.recipe.per_tensor and not getattr(target.spec, "weight_first", False):
             return getattr(target.spec, "linear", None) or target.spec.fqn or "<root>"
         return None
     if target is operator.getitem and isinstance(node.args[0], fx.Node) and node.args[0].op == "call_function":
@@ -274,51 +267,43 @@ def _handed_text(plans, why: dict[int, str]) -> str:
     return text
 
 
-def hand_off_attention_inputs(ctx: "PassContext", scope: GraphScope) -> int:
-    """Hand each fp8_mha DelayedScaling attention site its Q, K, V in FP8 from their projections."""
-    count = 0
-    for node in list(scope.graph.nodes):
-        if node.op != "call_function" or not isinstance(node.target, AttentionLowering):
-            continue
-        spec = node.target.spec
-        if not getattr(spec.recipe, "fp8_mha", False):
-            continue
-        if not spec.delayed:
-            why = ("current scaling scales them per (batch, head) from amaxes known only after the projections"
-                   if not spec.recipe.delayed() else "no delayed-scaling state here to quantize them with")
-            node.meta[META_KEY] = (False, f"Q, K, V arrive in high precision: {why}")
-            continue
-        plans, why = _plan(node)
-        if not plans:
-            node.meta[META_KEY] = (False, f"Q, K, V arrive in high precision: {_reasons(why)}")
-            continue
-        _, q_scale, k_scale, v_scale, _ = node.args[4:9]
-        graph = scope.graph
-        bits: dict[int, fx.Node] = {}
-        amaxes = []
-        with graph.inserting_before(node):
-            for source, moves, segments, name in plans:
-                y = value_of(source)
-                quantize = ColumnQuantizeLowering(ColumnQuantizeSpec(name, segments, y.shape[-1]))
-                pair = graph.call_function(quantize, (source, q_scale, k_scale, v_scale))
-                env = {source: graph.call_function(operator.getitem, (pair, 0))}
-                amaxes.append(graph.call_function(operator.getitem, (pair, 1)))
-                env[source].meta["example_value"] = _like(y, torch.uint8)
-                amaxes[-1].meta["example_value"] = _like(y, torch.float32, (3,))
-                for move in moves:
-                    appended = _appended_to_nothing(move)
-                    if appended is not None:     # the empty operand is in y's dtype: cat would promote
-                        env[move] = env[appended]
-                        continue
-                    env[move] = graph.node_copy(move, lambda n: env.get(n, n))
-                    # as the moved y's, in uint8: AOTAutograd's cache reads methods' targets from them
-                    env[move].meta["example_value"] = _like(move.meta.get("example_value"), torch.uint8)
-                bits.update({role: env[node.args[role]] for role, _, _ in segments})
-            new = graph.call_function(AttentionLowering(dataclasses.replace(spec, fp8_inputs=len(plans))),
-                                      (*node.args, *(bits.get(role) for role in range(3)), *amaxes))
-        new.meta.update(node.meta)
-        new.meta[META_KEY] = (True, _handed_text(plans, why))
-        node.replace_all_uses_with(new)
-        graph.erase_node(node)
-        count += 1
-    return count
+def hand_off_inputs(scope: GraphScope, node: fx.Node) -> tuple[fx.Node, bool, str]:
+    """Hand the fp8_mha attention call ``node`` its Q, K, V in FP8 from their projections where it
+    can: (the attention call, which replaces ``node`` when anything was handed over; whether
+    anything was; the report's words for it)."""
+    spec = node.target.spec
+    if not spec.delayed:
+        why = ("current scaling scales them per (batch, head) from amaxes known only after the projections"
+               if not spec.recipe.delayed() else "no delayed-scaling state here to quantize them with")
+        return node, False, f"Q, K, V arrive in high precision: {why}"
+    plans, why = _plan(node)
+    if not plans:
+        return node, False, f"Q, K, V arrive in high precision: {_reasons(why)}"
+    _, q_scale, k_scale, v_scale, _ = node.args[4:9]
+    graph = scope.graph
+    bits: dict[int, fx.Node] = {}
+    amaxes = []
+    with graph.inserting_before(node):
+        for source, moves, segments, name in plans:
+            y = value_of(source)
+            quantize = ColumnQuantizeLowering(ColumnQuantizeSpec(name, segments, y.shape[-1]))
+            pair = graph.call_function(quantize, (source, q_scale, k_scale, v_scale))
+            env = {source: graph.call_function(operator.getitem, (pair, 0))}
+            amaxes.append(graph.call_function(operator.getitem, (pair, 1)))
+            env[source].meta["example_value"] = _like(y, torch.uint8)
+            amaxes[-1].meta["example_value"] = _like(y, torch.float32, (3,))
+            for move in moves:
+                appended = _appended_to_nothing(move)
+                if appended is not None:     # the empty operand is in y's dtype: cat would promote
+                    env[move] = env[appended]
+                    continue
+                env[move] = graph.node_copy(move, lambda n: env.get(n, n))
+                # as the moved y's, in uint8: AOTAutograd's cache reads methods' targets from them
+                env[move].meta["example_value"] = _like(move.meta.get("example_value"), torch.uint8)
+            bits.update({role: env[node.args[role]] for role, _, _ in segments})
+        new = graph.call_function(AttentionLowering(dataclasses.replace(spec, fp8_inputs=len(plans))),
+                                  (*node.args, *(bits.get(role) for role in range(3)), *amaxes))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+    return new, True, _handed_text(plans, why)

@@ -1,5 +1,6 @@
 """The fp8_mha pass: an FP8 attention site whose output feeds one FP8 linear (the output projection)
-becomes one site with it (lowerings/attention_projection.py), so O is quantized and saved once.
+becomes one site with it (lowerings/attention_projection.py), so O is quantized and saved once; first
+its Q, K, V are handed over in FP8 from their projections where they can be (attention_inputs.py).
 Runs after the attention pass, on its calls, for sites whose recipe has ``fp8_mha = true``.
 
     o = te_fp8_attention(q, k, v, mask)        [B, H, T, D]
@@ -12,23 +13,21 @@ One report row per fp8_mha site (op "fp8_mha", fqn = the module calling SDPA): "
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..lowerings.attention_projection import AttentionProjectionLowering, AttentionProjectionSpec
-from ..lowerings.fp8_attention import AttentionLowering
+from ..lowerings.attention import AttentionLowering
 from ..report import SiteRecord
-from .attention_inputs import META_KEY
+from .attention_inputs import hand_off_inputs
 from .graphs import GraphScope
 from .matching import method_or_name, shape_text, value_of
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name
+from .context import PassContext
 
-if TYPE_CHECKING:
-    from . import PassContext
-
-__all__ = ["fuse_attention_projections"]
+__all__ = ["hand_off_fp8_mha"]
 
 _RESHAPES = ("reshape", "view", "flatten")
 
@@ -99,19 +98,19 @@ def _projection(out: fx.Node) -> tuple[Optional[Reader], bool, str]:
     return reader, flat, why or ""
 
 
-def fuse_attention_projections(ctx: "PassContext", scope: GraphScope) -> int:
-    """Hand each fp8_mha attention site's FP8 O to the projection reading it; one row per site."""
+def hand_off_fp8_mha(ctx: PassContext, scope: GraphScope) -> int:
+    """Hand each fp8_mha attention site its Q, K, V in FP8 from their projections and its FP8 O to
+    the projection reading it; one row per site, counted when either side was handed over."""
     count = 0
     for node in list(scope.graph.nodes):
         if node.op != "call_function" or not isinstance(node.target, AttentionLowering):
             continue
+        if not getattr(node.target.spec.recipe, "fp8_mha", False):
+            continue
+        node, inputs_handed, inputs_text = hand_off_inputs(scope, node)
         attention = node.target
         spec = attention.spec
-        if not getattr(spec.recipe, "fp8_mha", False):
-            continue
         reader, flat, why = _projection(node)
-        # the input side, from attention_inputs.py
-        inputs_handed, inputs_text = node.meta.get(META_KEY, (False, "Q, K, V arrive in high precision"))
 
         def record(fused: bool, reason: str) -> None:
             # sorted after the attention's own row: at the first reader of its output
@@ -123,6 +122,7 @@ def fuse_attention_projections(ctx: "PassContext", scope: GraphScope) -> int:
         if reader is None or why:
             where = f"{linear_name(reader)}: " if reader is not None else ""
             record(False, f"{where}{why}; O goes to the projection in high precision")
+            count += inputs_handed
             continue
         linear = reader.node.target
         record(True, f"FP8 O handed to {linear_name(reader)} (quantized and saved once)")

@@ -139,11 +139,11 @@ def _is_lowering(target: Any) -> bool:
 
 def _trace_facts() -> str:
     """What a lowering decides from the process while it is traced, beyond its spec and its inputs'
-    devices and dtypes (which the key holds): the CPU FP8 GEMM path (lowerings/gemm.py; both give the
+    devices and dtypes (which the key holds): the CPU FP8 GEMM path (gemm/per_tensor.py; both give the
     same bits, but a test or benchmark that picks one must get it)."""
-    from ..lowerings import gemm
+    from ..gemm import per_tensor
 
-    return f"cpu_emulates_scaled_mm={gemm.cpu_emulates_scaled_mm()}"
+    return f"cpu_emulates_scaled_mm={per_tensor.cpu_emulates_scaled_mm()}"
 
 
 def _publish(lowering: Any, facts: str) -> Optional[Any]:

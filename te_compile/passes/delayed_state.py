@@ -5,7 +5,7 @@ the graph: each stateful weight gets six extra placeholders (per role: amax_hist
 each SDPA site's state eight (query, key, value, grad_output), appended after Dynamo's inputs, and
 the backend's wrapper passes that weight's or site's tensors (te_compile.state) at every call. Sites
 read only the scales; the update happens once per graph and step in ``DelayedScalingUpdate``
-(lowerings/delayed_update.py), a node placed at the start of the top-level graph whose outputs, one
+(lowerings/delayed_state.py), a node placed at the start of the top-level graph whose outputs, one
 amax carrier per site with a backward, the sites take as inputs.
 Sites inside HOP bodies (checkpointed blocks) get their scales and carrier lifted in as operands.
 """
@@ -21,9 +21,9 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..distributed import minimal_groups
-from ..lowerings.delayed_update import ROLES, DelayedScalingUpdate, UpdateSpec
-from ..recipe import DelayedScaling
-from ..state import ATTENTION_ROLES, ATTENTION_SITE, STATE_ROLES, amax_anchor, attention_state_for, state_for
+from ..lowerings.delayed_state import DelayedScalingUpdate, UpdateSpec
+from ..recipe import ATTENTION_ROLES, GEMM_ROLES, DelayedScaling
+from ..state import ATTENTION_SITE, amax_anchor, attention_state_for, state_for
 from .graphs import GraphScope, ParamRef
 
 __all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "DelayedState"]
@@ -82,7 +82,7 @@ class _Weight:
     fqn: str                    # the first site using it
     nodes: list[fx.Node]        # its top-level placeholders, in RoleStates.tensors() order
     groups: tuple = ()          # the groups its amaxes are all-reduced over (all its sites')
-    roles: tuple = STATE_ROLES
+    roles: tuple = GEMM_ROLES
 
 
 @dataclass
@@ -159,7 +159,7 @@ class DelayedState:
             roles = tuple(w.roles for w in weights)
             self._update.target = DelayedScalingUpdate(UpdateSpec(
                 tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else (),
-                roles if any(r != ROLES for r in roles) else ()))
+                roles if any(r != GEMM_ROLES for r in roles) else ()))
             self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
         return self.inputs
 

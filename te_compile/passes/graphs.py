@@ -26,7 +26,7 @@ import torch.fx as fx
 
 from .naming import frame_root
 
-__all__ = ["ParamRef", "GraphScope", "graph_scopes"]
+__all__ = ["ParamRef", "GraphScope", "graph_scopes", "module_fqn"]
 
 # HOPs that call their body exactly once with the operands that follow it, like an inlined call:
 # a rewrite inside the body and extra operands appended after the existing ones are both safe.
@@ -204,6 +204,16 @@ def normalize_path(path: str) -> str:
         path = path.replace(f".{container}", "").replace(container, "")
     path = _ITEM.sub(r".\1", path)
     return path.strip(".").replace("..", ".")
+
+
+def module_fqn(node: fx.Node) -> str:
+    """The innermost module a node was traced in, named from the compiled frame's root ("" for the
+    root itself; GraphScope.fqn makes it the model's name)."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return normalize_path(path)
 
 
 def _source_path(placeholder: fx.Node) -> str:

@@ -3,31 +3,26 @@ saying why not."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
 
 import torch.fx as fx
 
-from ..distributed import describe_groups, describe_role_groups, merge_role_groups, minimal_groups
-from ..lowerings.block_gemm_probe import native_block_gemm_support, recipe_block_format
-from ..lowerings.fp8_linear import NO_GROUPS
+from ..distributed import NO_GROUPS, describe_groups, describe_role_groups, merge_role_groups, minimal_groups
+from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
-from ..report import SiteRecord
-from ..lowerings.quantizers import weight_is_operand
+from ..quantization import weight_is_operand
 from ..tensor.quantized_tensor import QuantizedTensor
 from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope
 from .sites import LinearSite, find_linear_sites
-
-if TYPE_CHECKING:
-    from . import PassContext
+from .context import PassContext
 
 __all__ = ["rewrite_linears"]
 
 
 def _gemm_path(site: LinearSite, recipe, config) -> tuple[bool, str]:
     """Block formats: (native GEMMs?, why), asking the device probe (it may run a self-test)."""
-    if recipe_block_format(recipe) is None:
+    if recipe.block_format is None:
         return False, ""
     if not config.native_block_gemm:
         return False, "native_block_gemm = false"
@@ -35,7 +30,7 @@ def _gemm_path(site: LinearSite, recipe, config) -> tuple[bool, str]:
     return native_block_gemm_support(recipe, x.device, x.dtype)
 
 
-def _amax_reductions(ctx: "PassContext", site: LinearSite, recipe) -> tuple[tuple, tuple, str]:
+def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple, tuple, str]:
     """Across ranks: (per role, the groups the lowering all-reduces amaxes over for plain tensors
     sharded by hand; the groups DelayedScaling's update reduces this weight's amaxes over; the
     report's text). DTensor operands bring their mesh dims (sharded_linear.py)."""
@@ -52,7 +47,7 @@ def _amax_reductions(ctx: "PassContext", site: LinearSite, recipe) -> tuple[tupl
         return plain, groups, text
     if not any(roles):
         return plain, (), ""
-    if recipe.name in ("MXFP8BlockScaling", "Float8BlockScaling"):
+    if recipe.per_block_scales:
         return plain, (), "none needed: per-block scales"
     if recipe.custom():
         return plain, (), "none: custom quantizers get no amax reduction"
@@ -74,30 +69,21 @@ def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra:
     graph.erase_node(site.node)
 
 
-def rewrite_linears(ctx: "PassContext", scope: GraphScope) -> int:
+def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
     """Rewrite the eligible linear sites of ``scope``; one report row per site found."""
     config = ctx.config
     planned = []
     for site in find_linear_sites(scope):
         recipe, why = config.recipe_for(site.fqn)
-        where = scope.where
-
-        def record(rewritten: bool, reason: str, recipe_name=None, collectives: str = "") -> None:
-            ctx.record(scope, site.node, SiteRecord(
-                fqn=site.fqn, op="linear", recipe=recipe_name, rewritten=rewritten, reason=reason + where,
-                shapes=shape_str(site), graph=ctx.graph_id, collectives=collectives))
-
+        record = ctx.recorder(scope, site.node, site.fqn, "linear", shape_str(site))
         if site.unsupported is not None:
             record(False, f"{site.unsupported} (left in high precision)")
             continue
         if not config.rewrite.linear:
             record(False, "[rewrite] linear = false")
             continue
-        if scope.unsupported is not None:
-            record(False, scope.unsupported)
-            continue
-        if recipe is None:
-            record(False, f"recipe 'none' ({why})")
+        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+            record(False, alone)
             continue
         reason = linear_ineligibility(site, recipe)
         if reason is not None:

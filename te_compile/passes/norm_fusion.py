@@ -3,7 +3,7 @@
 Runs after the linear pass, on its ``LinearLowering`` calls. For each norm site (norm_sites.py) it
 follows the output through the ops that do not change the values' layout (dtype casts, dropout that
 drops nothing, views keeping the last dim) to the linears reading it. The readers under one
-per-tensor recipe with the same casts on the way are fused (lowerings/norm_linear.py); every other
+per-tensor recipe with the same casts on the way are fused (lowerings/norm_fusion.py); every other
 reader keeps reading a high-precision output, which the fused operation also returns (or, where the
 graph's order does not allow that, the original norm nodes keep computing). One report row per norm
 site: "fused into <the linears' paths>", or why not.
@@ -15,25 +15,23 @@ site: "fused into <the linears' paths>", or why not.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch.fx as fx
 
-from ..lowerings.norm_linear import NormLinearsLowering, NormLinearsSpec
-from ..lowerings.sharded_linear import is_dtensor
+from ..distributed import is_dtensor
+from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
 from .matching import method_or_name, shape_text, written_between
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name, view_inputs
-
-if TYPE_CHECKING:
-    from . import PassContext
+from .context import PassContext
 
 __all__ = ["fuse_norms"]
 
 
-def _record(ctx: "PassContext", scope: GraphScope, site: NormSite, fused: bool, reason: str,
+def _record(ctx: PassContext, scope: GraphScope, site: NormSite, fused: bool, reason: str,
             recipe: Optional[str] = None) -> None:
     shapes = " ".join(text for name, node in (("x", site.x or site.node), ("w", site.weight), ("b", site.bias))
                       if (text := shape_text(name, node)) is not None)
@@ -42,7 +40,7 @@ def _record(ctx: "PassContext", scope: GraphScope, site: NormSite, fused: bool, 
                                             graph=ctx.graph_id))
 
 
-def _enabled(ctx: "PassContext", site: NormSite) -> bool:
+def _enabled(ctx: PassContext, site: NormSite) -> bool:
     return ctx.config.rewrite.layer_norm if site.op == "layer_norm" else ctx.config.rewrite.rms_norm
 
 
@@ -54,7 +52,7 @@ def _inputs_of(site: NormSite, chosen: list[Reader]) -> list[fx.Node]:
     return [n for n in nodes if isinstance(n, fx.Node)]
 
 
-def fuse_norms(ctx: "PassContext", scope: GraphScope) -> int:
+def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
     """Fuse each norm of ``scope`` with the FP8 linears reading it; one report row per norm site."""
     count = 0
     for site in find_norm_sites(scope):

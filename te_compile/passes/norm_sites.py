@@ -12,7 +12,7 @@ Forms, as they look after Dynamo:
                                                   HF Cohere / Cohere2 (Command R)
 
 A site is the node whose value is the norm's output (the last cast, or the weight product), which
-is what the linears after it read. Each site is also read as a ``NormSpec`` (kernels/norm_quantize.py)
+is what the linears after it read. Each site is also read as a ``NormSpec`` (te_compile/norm_spec.py)
 plus its tensor operands, which is what the fusion pass (norm_fusion.py) lowers; a site that does not
 fit one (a norm over several dims, an eps that is a tensor, low-precision arithmetic) carries the
 reason instead.
@@ -26,10 +26,9 @@ from typing import Iterator, Optional
 import torch
 import torch.fx as fx
 
-from ..kernels.norm_quantize import NormSpec
-from .graphs import GraphScope
+from ..norm_spec import NormSpec
+from .graphs import GraphScope, module_fqn
 from .matching import ADD, CASTS, MUL, SUB, calls, dtype_of, erased, method_or_name, squared, strip_casts
-from .sites import module_fqn
 
 __all__ = ["NormSite", "find_norm_sites"]
 

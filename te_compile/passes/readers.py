@@ -11,9 +11,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from ..lowerings.fp8_linear import NO_GROUPS, PER_TENSOR_RECIPES
+from ..distributed import NO_GROUPS, is_dtensor
 from ..lowerings.linear import LinearLowering
-from ..lowerings.sharded_linear import is_dtensor
 from .matching import CASTS, dtype_of, method_or_name, shape_of
 
 __all__ = ["Reader", "Readers", "find_readers", "passes_through", "linear_fusable", "view_inputs", "dying",
@@ -87,7 +86,7 @@ def linear_fusable(reader: Reader, what: str) -> Optional[str]:
     """None when the linear can take its input from the fused ``what`` ("norm", "activation"), else
     why not."""
     spec = reader.node.target.spec
-    if not isinstance(spec.recipe, PER_TENSOR_RECIPES):
+    if not spec.recipe.per_tensor:
         return f"recipe {spec.recipe.name} ({what} fusion covers the per-tensor FP8 recipes)"
     if spec.weight_first:
         return "weight-first product"

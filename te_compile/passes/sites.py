@@ -22,10 +22,10 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graphs import GraphScope, ParamRef, normalize_path
+from .graphs import GraphScope, ParamRef, module_fqn
 from .matching import value_of
 
-__all__ = ["LinearSite", "module_fqn", "find_linear_sites"]
+__all__ = ["LinearSite", "find_linear_sites"]
 
 
 @dataclass
@@ -65,16 +65,6 @@ _BROADCAST_METHODS = ("expand", "expand_as", "broadcast_to", "unsqueeze")
 # out is still parameter data, for the report's "has a parameter operand".
 _SLICE_METHODS = ("getitem", "__getitem__", "index_select", "select", "narrow", "view", "reshape",
                   "squeeze", "flatten", "unflatten", "chunk", "split", "unbind")
-
-
-def module_fqn(node: fx.Node) -> str:
-    """The innermost module a node was traced in, named from the compiled frame's root ("" for the
-    root itself; GraphScope.fqn makes it the model's name)."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return ""
-    path, _ = list(stack.values())[-1]
-    return normalize_path(path)
 
 
 def _rank(node) -> int:

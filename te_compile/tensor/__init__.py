@@ -28,29 +28,14 @@ from . import utils
 
 __all__ = [
     # abstract interface
-    "Quantizer",
-    "QuantizedTensorStorage",
-    "QuantizedTensor",
-    "prepare_for_saving",
-    "restore_from_saved",
+    "Quantizer", "QuantizedTensorStorage", "QuantizedTensor", "prepare_for_saving", "restore_from_saved",
     # per-tensor FP8
-    "Float8Quantizer",
-    "Float8CurrentScalingQuantizer",
-    "Float8Tensor",
-    "Float8TensorStorage",
+    "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8Tensor", "Float8TensorStorage",
     # block-scaled formats
-    "BlockScaledQuantizer",
-    "BlockScaledTensor",
-    "BlockScaledTensorStorage",
-    "MXFP8Quantizer",
-    "MXFP8Tensor",
-    "MXFP8TensorStorage",
-    "Float8BlockQuantizer",
-    "Float8BlockwiseQTensor",
-    "Float8BlockwiseQTensorStorage",
-    "NVFP4Quantizer",
-    "NVFP4Tensor",
-    "NVFP4TensorStorage",
+    "BlockScaledQuantizer", "BlockScaledTensor", "BlockScaledTensorStorage",
+    "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
+    "Float8BlockQuantizer", "Float8BlockwiseQTensor", "Float8BlockwiseQTensorStorage",
+    "NVFP4Quantizer", "NVFP4Tensor", "NVFP4TensorStorage",
     # helpers on quantized tensors (is_custom, replace_raw_data)
     "utils",
 ]

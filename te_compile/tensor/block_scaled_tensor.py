@@ -547,9 +547,7 @@ def _clone(func, args, kwargs):
 @implements(BlockScaledTensor, aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     self = args[0]
-    kwargs = dict(kwargs)
-    dtype = kwargs.pop("dtype", None) or self.dtype
-    kwargs.pop("memory_format", None)
+    dtype, kwargs = self._copy_target(kwargs)
     return self._map_buffers(lambda t: func(t, **kwargs), dtype=dtype)
 
 

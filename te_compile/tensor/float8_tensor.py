@@ -552,9 +552,7 @@ def _copy_(func, args, kwargs):
 @implements(Float8Tensor, aten._to_copy.default)
 def _to_copy(func, args, kwargs):
     self = args[0]
-    kwargs = dict(kwargs)
-    dtype = kwargs.pop("dtype", None) or self.dtype
-    kwargs.pop("memory_format", None)
+    dtype, kwargs = self._copy_target(kwargs)
     moved = lambda t: None if t is None else func(t, **kwargs)  # noqa: E731
     return self._like(
         moved(self._rowwise_data()), scale_inv=moved(self._scale_inv), dtype=dtype,

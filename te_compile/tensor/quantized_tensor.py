@@ -212,6 +212,14 @@ class QuantizedTensor(torch.Tensor):
         if self._hp_init is not None:
             self._hp_init[0] = None
 
+    def _copy_target(self, kwargs: dict) -> tuple[torch.dtype, dict]:
+        """For ``aten._to_copy(self, **kwargs)``: (the copy's nominal dtype, the kwargs that move each
+        buffer: device, non_blocking). The buffers keep their own dtypes and layouts."""
+        kwargs = dict(kwargs)
+        dtype = kwargs.pop("dtype", None) or self.dtype
+        kwargs.pop("memory_format", None)
+        return dtype, kwargs
+
     def _alias_of(self, other: "QuantizedTensor") -> "QuantizedTensor":
         """Mark self as a full alias of ``other`` (a detach, or the materialization of a meta tensor):
         share what belongs to the values."""

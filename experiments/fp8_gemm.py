@@ -1,6 +1,6 @@
-"""Per-tensor FP8 GEMM whose epilogue records the amax of its output and can write it in FP8 (issue 17).
+"""Per-tensor FP8 GEMM whose epilogue records the amax of its output and can write it in FP8.
 
-The card's quantize-GEMM-amax. After ``y = a @ b`` an FP8 training step reads y again for its amax
+A quantize-GEMM-amax fusion. After ``y = a @ b`` an FP8 training step reads y again for its amax
 (the next site's scaling state, or its current scale) and once more to quantize it for the next FP8
 GEMM. Under delayed scaling the next site's scale is known before the GEMM runs (it comes from
 earlier steps), so the GEMM's epilogue can do both while the tile is still in registers:
@@ -18,12 +18,12 @@ values, then the epilogue's operations in the same order), ``fp8_gemm_amax_trito
 CPU tensors run under ``TRITON_INTERPRET=1``) and ``fp8_gemm_amax`` (the kernel for CUDA tensors,
 through ``torch.library.triton_op`` so inductor schedules it; the reference elsewhere). Kernel and
 reference sum the products in different orders, so they agree to fp32 rounding in general, and bit for
-bit where the sums are exact (tests/test_kernel_fp8_gemm.py builds such operands); the amax and the
-FP8 bytes always equal those of the kernel's own y.
+bit where the sums are exact (tests/test_experiment_fp8_gemm.py builds such operands); the amax and
+the FP8 bytes always equal those of the kernel's own y.
 
-Not yet called by the lowerings: whether it beats torch._scaled_mm (cuBLASLt) plus inductor's amax
-and cast kernels is a GPU measurement (``benchmarks/gpu_suite.py`` measures it), and none has been
-made. The amax partials are per tile, reduced once after the launch: no atomics, so the result does
+An experiment (experiments/README.md): the lowerings do not call it until a GPU measurement
+(``benchmarks/gpu_suite.py``) shows it beats torch._scaled_mm (cuBLASLt) plus inductor's amax and
+cast kernels. The amax partials are per tile, reduced once after the launch: no atomics, so the result does
 not depend on the order of programs.
 """
 
@@ -33,9 +33,9 @@ from typing import Optional
 
 import torch
 
-from ._fp_bits import HAS_TRITON
-from ..scaling import cast_to_fp8, tensor_amax
-from ._launch import require_triton
+from te_compile.kernels._fp_bits import HAS_TRITON
+from te_compile.kernels._launch import require_triton
+from te_compile.scaling import cast_to_fp8, tensor_amax
 
 __all__ = ["fp8_gemm_amax", "fp8_gemm_amax_reference", "fp8_gemm_amax_triton"]
 
@@ -83,7 +83,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._fp_bits import fp32_to_fp8_bits, nan_abs_max, round_fp32_to
+    from te_compile.kernels._fp_bits import fp32_to_fp8_bits, nan_abs_max, round_fp32_to
 
     @triton.jit
     def _fp8_gemm_amax_kernel(

@@ -1,5 +1,4 @@
-"""GEMMs on quantized operands: per-tensor FP8 through torch._scaled_mm on CUDA (exact emulation where
-the device has no FP8 GEMM), and the dequantize-then-matmul emulation for the block-scaled formats.
+"""Per-tensor FP8 GEMMs: torch._scaled_mm on CUDA (exact emulation where the device has no FP8 GEMM).
 
 On CPU, torch._scaled_mm is itself an emulation: it upcasts both operands to fp32 with scalar eager
 loops (slow: ~1.8 ns per element here, as long as the matmul itself at the demo's shapes), then
@@ -21,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "uses_native_fp8_gemm", "dequantized_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
+__all__ = ["fp8_gemm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,11 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     if force is None:
         return t.contiguous()
     return force.default(t, (t.shape[1], 1))
+
+
+def column_major(t: torch.Tensor) -> torch.Tensor:
+    """Same values, column-major layout: the b operand of _scaled_mm."""
+    return t.t().contiguous().t()
 
 
 def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:
@@ -131,15 +135,3 @@ def fp8_gemm(
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-
-
-def dequantized_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """op(a) @ op(b) of two quantized tensors (any format) by dequantizing both to fp32.
-
-    a, b: QuantizedTensorStorage (2-D); op transposes when asked. This is the emulation used where
-    a format has no native GEMM wired in: exact dequantization, one fp32 matmul, one final cast.
-    """
-    a32 = a.dequantize(dtype=torch.float32)
-    b32 = b.dequantize(dtype=torch.float32)
-    return ((a32.t() if transpose_a else a32) @ (b32.t() if transpose_b else b32)).to(out_dtype)

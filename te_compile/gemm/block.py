@@ -1,16 +1,17 @@
-"""Native block-scaled GEMMs: MXFP8, Float8 block and NVFP4 operands through F.scaled_mm.
+"""GEMMs on block-scaled operands (MXFP8, Float8 block, NVFP4): natively through F.scaled_mm, or by
+dequantizing both (``dequantized_gemm``, the emulation used where a format has no native GEMM).
 
-``native_block_gemm(a, b, ...)`` computes the same op(a) @ op(b) as ``gemm.dequantized_gemm`` but hands
+``native_block_gemm(a, b, ...)`` computes the same op(a) @ op(b) as ``dequantized_gemm`` but hands
 the quantized bytes and their block scales to ``te_compile::block_scaled_mm`` (scaled_mm_op.py:
 ``torch.nn.functional.scaled_mm``, i.e. cuBLASLt, behind an op inductor does not lower) instead of
 dequantizing. Whether a device runs it at all is decided once per recipe, device and dtype by
-``block_gemm_probe.native_block_gemm_support``; this module only builds the arguments.
+``block_probe.native_block_gemm_support``; this module only builds the arguments.
 
 scaled_mm computes mat_a [M, K] (row-major) @ mat_b [K, N] (column-major, i.e. the transpose of a
 row-major [N, K]) with each operand's scales describing blocks along K. So every operand is first
 brought to "rows x K, row-major" form: ``data`` [R, K] plus a block-scale matrix over it
-(``_KMajor``). Which stored copy that is follows quantized_linear.py: the operand whose GEMM contracts
-its last dim uses the rowwise copy (blocks along the last dim), the one contracting dim 0 the
+(``_KMajor``). Which stored copy that is follows the linear lowerings: the operand whose GEMM
+contracts its last dim uses the rowwise copy (blocks along the last dim), the one contracting dim 0 the
 columnwise copy (Float8 block and NVFP4 store it transposed already; MXFP8 keeps [M, K], so its data is
 transposed here).
 
@@ -46,7 +47,7 @@ from ..tensor.mxfp8_tensor import MXFP8TensorStorage
 from ..tensor.nvfp4_tensor import NVFP4TensorStorage
 from .scaled_mm_op import block_scaled_mm, round_up, swizzle_32_4_4
 
-__all__ = ["native_block_gemm", "native_pair_supported", "block_format"]
+__all__ = ["native_block_gemm", "native_pair_supported", "dequantized_gemm", "block_format"]
 
 # Multiple the contraction dim is zero-padded to, per format, in elements: whole blocks, and scaled_mm's
 # K % 16 on the stored dim (NVFP4 stores two elements per byte, so 32 elements).
@@ -179,8 +180,8 @@ def native_block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = Fa
     """op(a) @ op(b) [M, N] in ``out_dtype`` for two block-scaled storages of one format.
 
     a: logical [M, K] (or [K, M] with transpose_a) holding the copy with blocks along K, likewise b:
-    [K, N] (or [N, K] with transpose_b). Same contract as ``gemm.dequantized_gemm``; the caller checks
-    ``block_gemm_probe.native_block_gemm_support`` first.
+    [K, N] (or [N, K] with transpose_b). Same contract as ``dequantized_gemm``; the caller checks
+    ``block_probe.native_block_gemm_support`` first.
     """
     fmt = block_format(a)
     if fmt is None or block_format(b) != fmt:
@@ -203,3 +204,15 @@ def native_block_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = Fa
     if out.shape != (m, n):
         out = out[:m, :n]
     return out
+
+
+def dequantized_gemm(a, b, *, transpose_a: bool = False, transpose_b: bool = False,
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """op(a) @ op(b) of two quantized tensors (any format) by dequantizing both to fp32.
+
+    a, b: QuantizedTensorStorage (2-D); op transposes when asked. This is the emulation used where
+    a format has no native GEMM wired in: exact dequantization, one fp32 matmul, one final cast.
+    """
+    a32 = a.dequantize(dtype=torch.float32)
+    b32 = b.dequantize(dtype=torch.float32)
+    return ((a32.t() if transpose_a else a32) @ (b32.t() if transpose_b else b32)).to(out_dtype)

@@ -11,7 +11,7 @@ eager v2 kernel for the GEMM itself. The fake implementation runs torch's own me
 On CUDA the op calls ``F.scaled_mm``; elsewhere (CPU) it runs ``block_scaled_mm_reference``, which
 decodes the arguments exactly as the op's contract describes them (block expansion, the swizzle, the
 NVFP4 tensor scale) and multiplies in fp32. The backend only routes GEMMs here where
-block_gemm_probe found the device runs them natively; the CPU kernel lets tests check every argument
+block_probe.py found the device runs them natively; the CPU kernel lets tests check every argument
 the native path builds against the emulation, on any machine.
 
 Scaling types (``F.ScalingType``) and the scales each operand [R, K] takes (decode multipliers: the
@@ -162,7 +162,7 @@ def _scaled_mm(mat_a, mat_b, scale_a, recipe_a, swizzle_a, scale_b, recipe_b, sw
 
 
 # needs_exact_strides: inductor hands the op its arguments with the strides they had when traced (the
-# builder in block_gemm.py makes the layouts cuBLASLt wants; the op then copies nothing).
+# builder in block.py makes the layouts cuBLASLt wants; the op then copies nothing).
 @torch.library.custom_op("te_compile::block_scaled_mm", mutates_args=(), tags=(torch.Tag.needs_exact_strides,))
 def block_scaled_mm(mat_a: torch.Tensor, mat_b: torch.Tensor,
                     scale_a: list[torch.Tensor], recipe_a: list[int], swizzle_a: list[int],

@@ -1,4 +1,4 @@
-"""Per-tensor FP8 cast with its transpose and amax, in one read of x (issue 17).
+"""Per-tensor FP8 cast with its transpose and amax, in one read of x.
 
 An FP8 linear needs each operand twice: rowwise for one GEMM and transposed for another (x: fprop
 and wgrad; grad_output: dgrad and wgrad), plus the operand's amax for the scaling state. Traced as
@@ -20,21 +20,20 @@ The casts go through ``_fp_bits.fp32_to_fp8_bits`` (exact in the interpreter too
 reference agree bit for bit, NaN bytes aside (0x7F with x's sign in the kernel; torch's NaN byte
 may differ in sign).
 
-Not yet called by the linear lowerings: whether it beats inductor's generated kernels is a GPU
-measurement (``benchmarks/gpu_suite.py``), and none has been made.
+An experiment (experiments/README.md): the linear lowerings do not call it until a GPU measurement
+(``benchmarks/gpu_suite.py``) shows it beats inductor's generated kernels.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._fp_bits import HAS_TRITON
-from ._launch import launch_row_tiles, require_triton
-from ..scaling import cast_to_fp8, tensor_amax
+from te_compile.kernels._fp_bits import HAS_TRITON
+from te_compile.kernels._launch import check_input, launch_row_tiles, require_triton
+from te_compile.scaling import cast_to_fp8, tensor_amax
 
 __all__ = ["fp8_cast_transpose", "fp8_cast_transpose_reference", "fp8_cast_transpose_triton"]
 
-_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 # 64 x 64 tiles: a transposed store of 64-byte rows per tile; large enough that the interpreter
 # (cost per program) stays quick in tests
@@ -43,9 +42,7 @@ _BLOCK_K = 64
 
 
 def _check_args(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) -> None:
-    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.dtype not in _INPUT_DTYPES:
-        desc = f"{x.dtype} {tuple(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"x must be a 2-D float32/bfloat16/float16 tensor [M, K], got {desc}")
+    check_input(x)
     if not isinstance(scale, torch.Tensor) or scale.numel() != 1:
         desc = tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__
         raise ValueError(f"scale must be a one-element tensor, got {desc}")
@@ -65,7 +62,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from ._fp_bits import fp32_to_fp8_bits, nan_abs_max
+    from te_compile.kernels._fp_bits import fp32_to_fp8_bits, nan_abs_max
 
     @triton.jit
     def _fp8_cast_transpose_kernel(

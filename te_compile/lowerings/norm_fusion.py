@@ -25,10 +25,12 @@ from typing import Optional, Sequence
 
 import torch
 
-from ..kernels.norm_quantize import NormSpec, norm_backward, norm_forward_reference, norm_quantize, norm_stats
+from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
+from ..norm_spec import NormSpec
+from ..quantization import current_scale
 from ..recipe import Recipe
-from .fp8_linear import current_scale, fp8_dgrad_wgrad, fp8_fprop
-from .linear import _autocast_dtype
+from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
+from .linear import autocast_dtype
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
@@ -139,7 +141,7 @@ class NormLinearsLowering:
 
     def __call__(self, x: torch.Tensor, norm_w: Optional[torch.Tensor], norm_b: Optional[torch.Tensor],
                  shapes: Sequence[torch.Tensor], consumers: Sequence[Sequence]) -> tuple:
-        if _autocast_dtype(x) is not None:
+        if autocast_dtype(x) is not None:
             return self._unfused(x, norm_w, norm_b, shapes, consumers)
         spec = self.spec
         x2d = x.reshape(-1, x.shape[-1])

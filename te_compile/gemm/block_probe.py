@@ -3,9 +3,9 @@
 Two steps, so that nothing reaches a model on faith:
 1. the static gates: a CUDA device, the compute capability the format needs (te_compile.hardware:
    Float8 block sm90 only, MXFP8 and NVFP4 sm100+), a torch with ``F.scaled_mm``;
-2. a self-test: one small linear (forward and backward: fprop, dgrad and wgrad) through the native
-   GEMMs and through the dequantize-then-matmul emulation on the same quantized operands, whose
-   outputs must agree to ``MIN_SQNR_DB``. The operands' blocks span 2^-8..2^8 in magnitude, so a scale
+2. a self-test: the three GEMMs of one small linear (fprop, dgrad and wgrad, each operand in the copy
+   the linear lowering gives it) natively and through the dequantize-then-matmul emulation on the same
+   quantized operands, whose outputs must agree to ``MIN_SQNR_DB``. The operands' blocks span 2^-8..2^8 in magnitude, so a scale
    read from the wrong place (a layout mistake) costs tens of dB; native and emulated GEMMs differ only
    in summation order and the final rounding.
 Any failure (a torch error for this dtype or architecture, a mismatch) leaves the format emulated and
@@ -26,11 +26,11 @@ from ..hardware import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
-from ..recipe import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling, Recipe
-from .quantized_linear import QuantizedLinearFunction
-from .quantizers import quantizer_factory
+from ..quantization import quantize_copies, quantizer_factory
+from ..recipe import Recipe
+from .block import dequantized_gemm, native_block_gemm, native_pair_supported
 
-__all__ = ["native_block_gemm_support", "recipe_block_format", "MIN_SQNR_DB"]
+__all__ = ["native_block_gemm_support", "MIN_SQNR_DB"]
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +40,11 @@ MIN_SQNR_DB = 35.0
 # Self-test shape: M not a multiple of 128 or 32 (padding paths), K and N spanning several blocks.
 _M, _K, _N = 272, 256, 384
 
-_RECIPE_FORMAT = {MXFP8BlockScaling: "mxfp8", Float8BlockScaling: "float8_block", NVFP4BlockScaling: "nvfp4"}
+# per block format (Recipe.block_format): does the device's architecture have its GEMMs
 _ARCH_PROBE = {"mxfp8": is_mxfp8_available, "float8_block": is_fp8_block_scaling_available,
                "nvfp4": is_nvfp4_available}
 
 _answers: dict[tuple, tuple[bool, str]] = {}
-
-
-def recipe_block_format(recipe: Recipe):
-    """The block format a built-in block recipe quantizes to, or None (per-tensor, custom)."""
-    return _RECIPE_FORMAT.get(type(recipe))
 
 
 def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
@@ -70,27 +65,32 @@ def _self_test(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> floa
     """Lowest SQNR (dB) of y, dx, dw: native GEMMs against the emulation, same quantized operands."""
     factory = quantizer_factory(recipe)
     gen = torch.Generator().manual_seed(0)
-    x = _spread((_M, _K), device, dtype, gen)
-    w = _spread((_N, _K), device, dtype, gen)
-    g = _spread((_M, _N), device, dtype, gen)
-    outs = []
-    for native in (False, True):
-        # the same stochastic-rounding draws for both runs, without touching the caller's generator
-        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
-            torch.manual_seed(0)
-            xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-            with torch.enable_grad():
-                y = QuantizedLinearFunction.apply(xr, wr, factory, native)
-                y.backward(g)
-        outs.append((y.detach(), xr.grad, wr.grad))
-    return min(_sqnr_db(ref, got) for ref, got in zip(*outs))
+    x = _spread((_M, _K), device, dtype, gen)   # [M, K]
+    w = _spread((_N, _K), device, dtype, gen)   # [N, K]
+    g = _spread((_M, _N), device, dtype, gen)   # [M, N]
+    # stochastic rounding draws from the global generator: leave the caller's untouched
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        torch.manual_seed(0)
+        qx, qg = quantize_copies(factory, "input", x), quantize_copies(factory, "grad_output", g)
+        qw = quantize_copies(factory, "weight", w, columnwise=True)
+        qx_col = quantize_copies(factory, "input", x, rowwise=False, columnwise=True)
+        qg_col = quantize_copies(factory, "grad_output", g, rowwise=False, columnwise=True)
+    gemms = [(qx, qw, dict(transpose_b=True)),        # fprop  y  = x @ w.T
+             (qg, qw, {}),                            # dgrad  dx = g @ w
+             (qg_col, qx_col, dict(transpose_a=True))]  # wgrad dw = g.T @ x
+    sqnrs = []
+    for a, b, how in gemms:
+        if native_pair_supported(a, b):   # else the lowering emulates this pair too
+            ref = dequantized_gemm(a, b, out_dtype=dtype, **how)
+            sqnrs.append(_sqnr_db(ref, native_block_gemm(a, b, out_dtype=dtype, **how)))
+    return min(sqnrs, default=math.inf)
 
 
 def native_block_gemm_support(recipe: Recipe, device, dtype: torch.dtype) -> tuple[bool, str]:
     """(True, how) where ``recipe``'s GEMMs run natively on ``device`` with ``dtype`` activations,
     else (False, why not), both short enough for a report row. The self-test runs on the first
     question per (recipe, device, dtype)."""
-    fmt = recipe_block_format(recipe)
+    fmt = recipe.block_format
     if fmt is None:
         return False, f"{recipe.name} has no native block-scaled GEMM"
     device = torch.device(device)

@@ -16,7 +16,7 @@ the quantization of Q, K, V traced in front of the forward op (``attention_forwa
 
 ``scales`` (fp32 [3]) and ``do_scale`` ([1]) are DelayedScaling's: Q, K, V (and dO in the "fp8"
 backward) are then quantized per tensor with the scales the state holds, and the amaxes the state
-update needs go back as the site's carrier gradient (delayed_update.py). Without them every tensor is
+update needs go back as the site's carrier gradient (delayed_state.py). Without them every tensor is
 current-scaled per (batch, head). Under fp8_mha the projections making Q, K, V may hand them over
 already quantized (attention_inputs.py).
 
@@ -50,7 +50,7 @@ from ..kernels.fp8_attention import (
     quantize_heads,
 )
 from ..recipe import Format, Recipe
-from .linear import _autocast_dtype
+from .linear import autocast_dtype
 
 __all__ = ["AttentionSpec", "AttentionLowering", "Fp8AttentionFunction", "attention_grad_dtype", "attention_forward",
            "split_fp8_inputs"]
@@ -197,7 +197,7 @@ class Fp8AttentionFunction(torch.autograd.Function):
 
     Delayed scaling passes the query, key, value and grad_output scales (fp32 [1] each, read only)
     and, when a backward follows, ``carrier``: the backward returns this call's amaxes [q, k, v, dO]
-    as the carrier's gradient (delayed_update.py). Current scaling passes None for all five."""
+    as the carrier's gradient (delayed_state.py). Current scaling passes None for all five."""
 
     @staticmethod
     def forward(ctx, q, k, v, mask, spec: AttentionSpec, carrier, q_scale, k_scale, v_scale, do_scale,
@@ -253,7 +253,7 @@ class AttentionLowering:
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor], *rest: Optional[torch.Tensor]) -> torch.Tensor:
         delayed, fp8_inputs = split_fp8_inputs(self.spec, rest)
-        dtype = _autocast_dtype(q)
+        dtype = autocast_dtype(q)
         if dtype is not None:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         delayed = delayed or (None,) * 5

@@ -27,10 +27,12 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..gemm.per_tensor import column_major
+from ..quantization import current_scale, quantize_per_tensor
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, tensor_amax
-from .fp8_linear import _column_major, _quantize_per_tensor, current_scale, fp8_dgrad_wgrad, fp8_fprop
-from .linear import LinearLowering, _autocast_dtype
+from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
+from .linear import LinearLowering, autocast_dtype
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction", "activation"]
 
@@ -104,7 +106,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         x_amax = tensor_amax(a)
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
-        xq, x_sinv, x_amax = _quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
+        xq, x_sinv, x_amax = quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
@@ -122,7 +124,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         def xq_colmajor():
             # the forward's FP8 operand, recomputed from the saved activation input and scale
             a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
-            return _column_major(cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input")))
+            return column_major(cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input")))
 
         need_da = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         da, dw, g_amax = fp8_dgrad_wgrad(grad_y, spec.recipe, wq, w_sinv, x_sinv,
@@ -160,7 +162,7 @@ class ActivationLinearLowering:
         self.__module__ = __name__
 
     def __call__(self, h, u, shape, weight, bias, *delayed):
-        if _autocast_dtype(h) is not None:
+        if autocast_dtype(h) is not None:
             a = _cast(activation(self.spec.kind, h, u, self.spec.fn), self.spec.casts)
             return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
         w_nk = weight.t() if self.spec.weight_in_out else weight

@@ -1,7 +1,7 @@
-"""The FP8 GEMM with an amax epilogue and an optional FP8 output (kernels/fp8_gemm.py, issue 17): on
+"""The FP8 GEMM with an amax epilogue and an optional FP8 output (experiments/fp8_gemm.py): on
 operands whose products sum exactly in fp32 (any order) the Triton kernel equals the reference bit for
 bit in Triton's interpreter (on the GPU when there is one); on random operands it agrees with the
-unfused path of the linears (lowerings.gemm.fp8_gemm, then tensor_amax and cast_to_fp8) to fp32
+unfused path of the linears (te_compile.gemm.fp8_gemm, then tensor_amax and cast_to_fp8) to fp32
 rounding, and its amax and FP8 bytes are exactly those of its own output."""
 
 from __future__ import annotations
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from experiments.fp8_gemm import fp8_gemm_amax, fp8_gemm_amax_reference, fp8_gemm_amax_triton
+from te_compile.gemm import fp8_gemm
 from te_compile.kernels._fp_bits import HAS_TRITON
-from te_compile.kernels.fp8_gemm import fp8_gemm_amax, fp8_gemm_amax_reference, fp8_gemm_amax_triton
-from te_compile.lowerings.gemm import fp8_gemm
 from te_compile.scaling import cast_to_fp8, tensor_amax
 from utils import assert_bitwise_equal, seed
 
@@ -61,7 +61,7 @@ def test_kernel_equals_reference_on_exact_sums(shape, dtypes, out):
 @needs_triton
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_kernel_agrees_with_the_unfused_linear_path(out_dtype):
-    """Random FP8 operands (inexact sums): y within fp32 rounding of lowerings.gemm.fp8_gemm, which
+    """Random FP8 operands (inexact sums): y within fp32 rounding of te_compile.gemm.fp8_gemm, which
     the linears run today; the amax and the FP8 bytes are those of the kernel's own y, bit for bit."""
     a, b, sa, sb = _operands(77, 200, 90, E5M2, E4M3, exact=False)
     y, amax = fp8_gemm_amax_triton(a, b, sa, sb, out_dtype)

@@ -38,19 +38,14 @@ from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
 from ..kernels.delayed_update import delayed_scaling_update_op
 from ..scaling import delayed_scale_from_history, fp8_max, update_amax_history
-from ..state import FORMAT_ROLES, STATE_ROLES
+from ..recipe import GEMM_ROLES
 
-__all__ = ["DelayedScalingUpdate", "UpdateSpec", "ROLES", "update_role_state"]
-
-# The roles whose amaxes a linear site's carrier gradient holds, in order; each has (amax_history,
-# scale) state. An SDPA site's carrier holds state.ATTENTION_ROLES'.
-ROLES = STATE_ROLES
-
+__all__ = ["DelayedScalingUpdate", "UpdateSpec", "update_role_state"]
 
 def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
                       recipe: DelayedScaling) -> None:
     """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place.
-    ``role``: a state role (state.STATE_ROLES or ATTENTION_ROLES), which picks the FP8 format.
+    ``role``: a state role (recipe.GEMM_ROLES or ATTENTION_ROLES), which picks the FP8 format.
 
     A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
     so the history stays finite and scaling follows the data again from the next finite step.
@@ -58,7 +53,7 @@ def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Te
     finite = torch.isfinite(amax)
     new_history = update_amax_history(history, torch.where(finite, amax, torch.zeros_like(amax)))
     new_scale = delayed_scale_from_history(
-        new_history, scale, recipe.fp8_format.dtype_for(FORMAT_ROLES.get(role, role)), margin=recipe.margin,
+        new_history, scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
         amax_compute_algo=recipe.amax_compute_algo,
         scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe,
     )
@@ -76,11 +71,11 @@ class UpdateSpec:
     site_weights: tuple[int, ...]         # per carrier: index into ``recipes``
     # per state: the groups its amaxes are all-reduced over (MAX) before the update; () for none
     groups: tuple[tuple[AmaxGroup, ...], ...] = ()
-    # per state: its roles, in the order of its tensors; () when every state is a weight's (ROLES)
+    # per state: its roles, in the order of its tensors; () when every state is a weight's (GEMM_ROLES)
     roles: tuple[tuple[str, ...], ...] = ()
 
     def roles_of(self, j: int) -> tuple[str, ...]:
-        return self.roles[j] if self.roles else ROLES
+        return self.roles[j] if self.roles else GEMM_ROLES
 
     def state_offsets(self) -> list[int]:
         """Where each state's tensors start in the flat state list (2 per role), and the total last."""
@@ -139,7 +134,7 @@ def _update_states(spec: UpdateSpec, state, weights: list[int], combined: list[t
             if not _batchable(recipe):
                 update_role_state(history, scale, amax[r:r + 1], role, recipe)
                 continue
-            limit = fp8_max(recipe.fp8_format.dtype_for(FORMAT_ROLES.get(role, role)))
+            limit = fp8_max(recipe.fp8_format.dtype_for(role))
             key = (history.shape[0], recipe.amax_compute_algo == "most_recent")
             groups.setdefault(key, []).append((history, scale, amax[r:r + 1], limit, float(2 ** recipe.margin)))
     for (_, most_recent), rows in groups.items():

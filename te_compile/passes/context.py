@@ -1,0 +1,55 @@
+"""What every pass reads and adds to while the passes run over one Dynamo graph."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch.fx as fx
+
+from ..config import TeConfig
+from ..distributed import AmaxGroup
+from ..recipe import Recipe
+from ..report import SiteRecord
+from .delayed_state import DelayedState
+from .graphs import GraphScope
+
+__all__ = ["PassContext"]
+
+
+@dataclass
+class PassContext:
+    """The config, the graph's number in the report, the DelayedScaling state collected on the way,
+    and the report rows every pass adds."""
+
+    config: TeConfig
+    graph_id: int
+    delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
+    amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
+    _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
+
+    def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
+        """Report a site (call before rewriting ``node``): rows come out in the order the model runs."""
+        self._records.append((scope.order_key(node), record))
+
+    def recorder(self, scope: GraphScope, node: fx.Node, fqn: str, op: str, shapes: str) -> Callable[..., None]:
+        """``record(rewritten, reason, recipe_name=None, collectives="")``: adds the row of the site at
+        ``node``, numbered with this graph and ending with where in the model the scope is."""
+        def record(rewritten: bool, reason: str, recipe_name: Optional[str] = None, collectives: str = "") -> None:
+            self.record(scope, node, SiteRecord(fqn=fqn, op=op, recipe=recipe_name, rewritten=rewritten,
+                                                reason=reason + scope.where, shapes=shapes, graph=self.graph_id,
+                                                collectives=collectives))
+        return record
+
+    @staticmethod
+    def left_alone(scope: GraphScope, recipe: Optional[Recipe], why: str) -> Optional[str]:
+        """Why a site stays as it is whatever its kind (a graph the passes only report on, recipe
+        'none'; ``why``: why the config chose the recipe), or None."""
+        if scope.unsupported is not None:
+            return scope.unsupported
+        if recipe is None:
+            return f"recipe 'none' ({why})"
+        return None
+
+    def records(self) -> list[SiteRecord]:
+        return [r for _, r in sorted(self._records, key=lambda kr: kr[0])]

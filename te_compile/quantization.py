@@ -1,0 +1,183 @@
+"""From a recipe to what it quantizes each tensor to (the role of TransformerEngine's RecipeState).
+
+The one place that turns a recipe into quantization, below both the lowerings (compiled graphs) and
+the eager features (FSDP2's FP8 all-gather, FP8 primary weights), so that a weight quantized before
+any graph exists has the bytes the graph would make:
+
+- ``quantizer_factory(recipe)(role)``: a fresh quantizer object for a tensor of ``role``
+  (te_compile.recipe.ROLES) under a block-scaled recipe or a CustomRecipe, and ``quantize_copies``
+  to quantize with it;
+- ``weight_quantizer(recipe)``: the quantizer of a linear's weight operand under any recipe;
+- ``quantize_per_tensor`` / ``current_scale``: the per-tensor FP8 quantize (current and delayed
+  scaling) as plain tensor ops, which the per-tensor lowerings trace and inductor fuses;
+- ``weight_ineligibility`` / ``weight_is_operand``: whether a weight can be, or already is, the
+  recipe's GEMM operand.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from .recipe import GRADIENT_ROLES, ROLES, DelayedScaling, Float8CurrentScaling, Recipe
+from .scaling import cast_to_fp8, compute_scale, tensor_amax
+from .state import state_for
+from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
+from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .tensor.mxfp8_tensor import MXFP8Quantizer
+from .tensor.nvfp4_tensor import NVFP4Quantizer
+from .tensor.quantized_tensor import Quantizer
+
+__all__ = [
+    "quantizer_factory",
+    "quantize_copies",
+    "weight_quantizer",
+    "quantize_per_tensor",
+    "current_scale",
+    "weight_ineligibility",
+    "weight_is_operand",
+    "FLOAT_DTYPES",
+]
+
+# The high-precision dtypes a GEMM operand may come in.
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+# ---- quantizer objects (block-scaled recipes, CustomRecipe) ---------------------------------------
+
+
+def _block_quantizer(recipe: Recipe, role: str) -> Quantizer:
+    """``recipe``'s quantizer for ``role``, for the built-in block-scaled recipes."""
+    if recipe.mxfp8():
+        return MXFP8Quantizer(recipe.fp8_format.dtype_for(role))
+    if recipe.float8_block_scaling():
+        dim = (recipe.w_block_scaling_dim if role == "weight" else
+               recipe.grad_block_scaling_dim if role in GRADIENT_ROLES else recipe.x_block_scaling_dim)
+        return Float8BlockQuantizer(recipe.fp8_format.dtype_for(role), rowwise=True, columnwise=True,
+                                    block_scaling_dim=dim, force_pow_2_scales=recipe.use_power_2_scales,
+                                    amax_epsilon=recipe.amax_epsilon)
+    # NVFP4's training recipe: 16x16 blocks for weights (so W and W.T share scales), stochastic
+    # rounding for gradients, the Hadamard transform on the wgrad operands (input and grad_output).
+    return NVFP4Quantizer(
+        with_2d_quantization=role == "weight" and not recipe.disable_2d_quantization,
+        stochastic_rounding=role in GRADIENT_ROLES and not recipe.disable_stochastic_rounding,
+        with_rht=role in ("input", *GRADIENT_ROLES) and not recipe.disable_rht,
+    )
+
+
+def quantizer_factory(recipe: Recipe) -> Callable[[str], Quantizer]:
+    """``role -> Quantizer`` for a block-scaled recipe, or a CustomRecipe's own ``qfactory``.
+
+    The per-tensor recipes have none: their lowerings quantize with ``quantize_per_tensor``.
+    """
+    if recipe.custom():
+        return recipe.qfactory
+    if recipe.block_format is None:
+        raise ValueError(f"no quantizer factory for {recipe.name}: per-tensor recipes quantize with "
+                         f"quantize_per_tensor; factories exist for the block-scaled recipes and CustomRecipe")
+
+    def factory(role: str) -> Quantizer:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return _block_quantizer(recipe, role)
+
+    return factory
+
+
+def quantize_copies(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
+                    columnwise: bool = False, amax_groups: tuple = ()):
+    """The asked copies of ``t`` (rowwise: blocks along the last dim; columnwise: along dim 0),
+    quantized by a fresh copy of ``factory(role)``, as a storage object (no autograd wrapper).
+    ``amax_groups``: where the format has a tensor-level amax (NVFP4), it is all-reduced over these
+    first (te_compile.distributed.AmaxGroup; shards of a tensor split across ranks)."""
+    quantizer = factory(role).copy()
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    if amax_groups and hasattr(quantizer, "amax_reduction_groups"):
+        quantizer.amax_reduction_groups = amax_groups
+    quantizer.internal = True
+    return quantizer.quantize(t)
+
+
+def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
+                     where: str = "weight_quantizer") -> Quantizer:
+    """The quantizer that makes ``recipe``'s weight operand, bit for bit as the te backend would.
+
+    Delayed scaling needs ``weight`` (the parameter): its quantizer reads the scale the compiled
+    graph keeps for that parameter (``where`` names the caller in state errors), and links that
+    state (``linear_state``) so that copies of the weight find it.
+    """
+    fp8_dtype = recipe.fp8_format.dtype_for("weight") if recipe.per_tensor else None
+    if isinstance(recipe, Float8CurrentScaling):
+        # the FP8 GEMMs read only the rowwise bytes (the transpose is made in the GEMM call)
+        return Float8CurrentScalingQuantizer(fp8_dtype, columnwise=False,
+                                             force_pow_2_scales=recipe.use_power_2_scales,
+                                             amax_epsilon=recipe.amax_epsilon)
+    if isinstance(recipe, DelayedScaling):
+        if weight is None:
+            raise ValueError(f"{where}: delayed scaling needs the weight parameter (its scale is the "
+                             f"compiled graph's state for that parameter)")
+        state = state_for(weight, recipe.amax_history_len, where)
+        scale = state.roles["weight"].scale
+        quantizer = Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
+        # travels with the weight's copies (views, FSDP2 shards and gathers keep the quantizer):
+        # te_compile.state finds this state for them
+        quantizer.linear_state = state
+        return quantizer
+    quantizer = quantizer_factory(recipe)("weight")
+    if recipe.float8_block_scaling() and recipe.w_block_scaling_dim == 2:
+        # 128x128 tiles: the columnwise copy is the transpose of the rowwise one, derived where a
+        # GEMM needs it, so the master-weight cast and an all-gather move only the rowwise bytes
+        quantizer.set_usage(columnwise=False)
+    # MXFP8 keeps both copies: its columnwise blocks cannot be derived from the rowwise ones
+    return quantizer
+
+
+# ---- per-tensor FP8 (current and delayed scaling) --------------------------------------------------
+
+
+def current_scale(amax: torch.Tensor, role: str, recipe: Recipe) -> torch.Tensor:
+    """Current scaling's scale [1] for ``role`` from ``amax`` [1], with the recipe's options."""
+    return compute_scale(amax, recipe.fp8_format.dtype_for(role), force_pow_2_scales=recipe.use_power_2_scales,
+                         amax_epsilon=recipe.amax_epsilon)
+
+
+def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None,
+                        amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 data of ``t``'s shape, scale_inv [1], amax [1]) of ``t`` as a tensor of ``role``.
+
+    scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
+    scale [1] from steps <= t-1, read only (the graph's update node folds in step t). amax: ``t``'s
+    amax when the caller has it (all-reduced across ranks, or of the whole weight), else computed here.
+    """
+    fp8_dtype = recipe.fp8_format.dtype_for(role)
+    amax = tensor_amax(t) if amax is None else amax
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    data = cast_to_fp8(t, scale, fp8_dtype)
+    scale_inv = torch.div(torch.ones_like(scale), scale)
+    return data, scale_inv, amax
+
+
+# ---- weights ---------------------------------------------------------------------------------------
+
+
+def weight_ineligibility(weight: torch.Tensor, recipe: Recipe) -> Optional[str]:
+    """Why an ``nn.Linear`` weight [N, K] cannot be ``recipe``'s GEMM operand (its dtype, its
+    alignment), as the linear pass judges it, or None. For what acts on weights before any graph
+    exists: FSDP2's FP8 all-gather and FP8 primary weights."""
+    if weight.dtype not in FLOAT_DTYPES:
+        return f"weight dtype {weight.dtype} is not one of fp32, bf16, fp16"
+    if any(d % recipe.gemm_alignment for d in weight.shape):
+        return f"weight {list(weight.shape)}: {recipe.gemm_alignment_reason}"
+    return None
+
+
+def weight_is_operand(weight: torch.Tensor, recipe: Recipe) -> bool:
+    """Whether an already-quantized ``weight`` (FSDP2's FP8 all-gather, an FP8 primary weight) is in
+    ``recipe``'s weight format, so that the lowering takes its bytes as they are; a quantized weight
+    of another format is dequantized and quantized again."""
+    if recipe.per_block_scales:
+        return quantizer_factory(recipe)("weight").matches(weight)
+    return (recipe.per_tensor and isinstance(weight, Float8Tensor) and weight._data is not None
+            and weight._fp8_dtype == recipe.fp8_format.dtype_for("weight"))
