@@ -1,12 +1,14 @@
 """``te-compile`` / ``python -m te_compile``: the demo and the report dry run.
 
     te-compile demo [--config PATH | --recipe NAME] [--steps N] [--device cpu|cuda] [--plot out.png]
+                    [--report]
     te-compile report MODULE:FACTORY [--config PATH] [--recipe NAME] [--batch-size B] [--seq-len T]
     te-compile --version
 
 ``demo`` trains the same GPT (te_compile.models) twice on the same batches of the standard library's
 source bytes (te_compile.data): once compiled with ``backend="te"``, once with inductor in high
-precision, and prints the two loss curves, throughput, saved-activation memory and the site report.
+precision, and prints the two loss curves, throughput, saved-activation memory and how many sites of
+each op the te run rewrote (the full site table with --report).
 ``report`` compiles any model factory with the te backend (aot_eager: no codegen) and prints which
 sites were rewritten and why the others were not. Usage errors exit with status 2.
 """
@@ -21,16 +23,21 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from tabulate import tabulate
+
+if TYPE_CHECKING:
+    from .report import Report
 
 __all__ = ["main"]
 
 _PROG = "te-compile"
 _DEFAULT_RECIPE = "Float8CurrentScaling"
 _PLOT_HINT = 'pip install "te_compile[plot]"'
+_REASONS_SHOWN = 3    # distinct reasons named per op in the demo's site counts; all of them: --report
+_REASON_WIDTH = 100   # characters of one reason shown there
 
 
 class UsageError(Exception):
@@ -225,6 +232,34 @@ def _fmt(value: Optional[float], spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
 
+def _site_counts(rep: Report) -> list[str]:
+    """The demo's few lines on the te run's sites in place of the table (one row per site): a count per
+    op, then, for each op with sites left in high precision, their distinct reasons. e.g.
+
+        te run: 30 of 34 sites rewritten (layer_norm 9/9, linear 17/17, sdpa 0/4, gelu 4/4)
+          sdpa, 4 sites not rewritten: [rewrite] sdpa = false and Float8CurrentScaling.fp8_dpa = false
+    """
+    counts = rep.op_counts()
+    if not counts:
+        return [str(rep)]
+    per_op = ", ".join(f"{op} {rewritten}/{total}" for op, rewritten, total, _ in counts)
+    lines = [f"te run: {len(rep.rewritten)} of {len(rep)} sites rewritten ({per_op})"]
+    for op, rewritten, total, reasons in counts:
+        if not reasons:
+            continue
+        kept = total - rewritten
+        # site-specific reasons (they name a module) can be many and long: the table has them all
+        shown = [reason if len(reason) <= _REASON_WIDTH else reason[:_REASON_WIDTH - 3] + "..."
+                 for reason in list(reasons)[:_REASONS_SHOWN]]
+        if len(reasons) > 1:   # which reason covers how many sites
+            shown = [f"{n} x {reason}" for n, reason in zip(reasons.values(), shown)]
+        more = len(reasons) - _REASONS_SHOWN
+        if more > 0:
+            shown.append(f"{more} more reason{'s' if more != 1 else ''} (see --report)")
+        lines.append(f"  {op}, {kept} site{'s' if kept != 1 else ''} not rewritten: {'; '.join(shown)}")
+    return lines
+
+
 def _demo(args: argparse.Namespace) -> int:
     from . import report as te_report, reset
     from .data import VOCAB_SIZE, get_batch
@@ -321,8 +356,14 @@ def _demo(args: argparse.Namespace) -> int:
               "GEMM), plus the quantization work, so te is expected to be slower than high precision; "
               "the speedup needs an FP8 GPU", file=out)
 
-    print("\nte_compile.report() (sites of the te run)", file=out)
-    print(te_report(), file=out)
+    rep = te_report()
+    print(file=out)
+    print("\n".join(_site_counts(rep)), file=out)
+    if args.report:
+        print("\nte_compile.report() (sites of the te run)", file=out)
+        print(rep, file=out)
+    else:
+        print("full site table (shapes, reasons): te-compile demo --report", file=out)
 
     if args.plot:
         title = f"GPT {n_layer}x{n_embd}, batch {args.batch_size}x{block_size}, {device.type}"
@@ -476,6 +517,9 @@ def _parser() -> argparse.ArgumentParser:
                       help="default: cuda when available (bf16), else cpu (fp32)")
     demo.add_argument("--plot", metavar="OUT.png",
                       help=f"write the loss curves (needs matplotlib: {_PLOT_HINT})")
+    demo.add_argument("--report", action="store_true",
+                      help="also print the te run's full site table (te_compile.report(): one row per "
+                           "site with its shapes and why it was or was not rewritten)")
     # for tests and quick checks: a one-block model, and aot_eager (no inductor codegen) for both runs
     demo.add_argument("--model", choices=("small", "tiny"), default="small", help=argparse.SUPPRESS)
     demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)

@@ -78,6 +78,21 @@ class Report:
             lines.append(line)
         return lines
 
+    def op_counts(self) -> list[tuple[str, int, int, dict[str, int]]]:
+        """(op, rewritten, total, {reason: sites}) per op, over all graphs, ops in the order they first
+        appear; the reasons are those of the sites not rewritten, in the order they first appear.
+
+        e.g. [("layer_norm", 9, 9, {}), ("linear", 17, 17, {}),
+              ("sdpa", 0, 4, {"[rewrite] sdpa = false and Float8CurrentScaling.fp8_dpa = false": 4})]
+        """
+        counts: dict[str, tuple[int, int, dict[str, int]]] = {}
+        for s in self.sites:
+            rewritten, total, reasons = counts.get(s.op, (0, 0, {}))
+            if not s.rewritten:
+                reasons[s.reason] = reasons.get(s.reason, 0) + 1
+            counts[s.op] = (rewritten + int(s.rewritten), total + 1, reasons)
+        return [(op, rewritten, total, reasons) for op, (rewritten, total, reasons) in counts.items()]
+
 
 _REPORT = Report()
 

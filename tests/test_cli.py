@@ -19,6 +19,7 @@ import te_compile
 from te_compile.cli import main
 from te_compile.data import VOCAB_SIZE, get_batch
 from te_compile.models import gpt_small
+from te_compile.report import Report, SiteRecord
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -122,12 +123,21 @@ def test_plot_without_matplotlib_exits_2_before_training(monkeypatch, capsys):
     assert "step" not in captured.out  # nothing was trained
 
 
-@pytest.mark.parametrize("config, sites", [(None, "9 of 10"), ("examples/fp8_attention.toml", "10 of 10")],
-                         ids=["default", "fp8_attention"])
-def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, config, sites):
+# the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head
+_TINY_SDPA_OFF = "9 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 0/1, gelu 1/1)"
+_TINY_SDPA_ON = "10 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 1/1, gelu 1/1)"
+
+
+# --report rides on the fp8_attention run: both ways are covered without compiling a third pair
+@pytest.mark.parametrize("config, sites, table", [(None, _TINY_SDPA_OFF, False),
+                                                  ("examples/fp8_attention.toml", _TINY_SDPA_ON, True)],
+                         ids=["default", "fp8_attention-report"])
+def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, config, sites, table):
     argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "3", "--batch-size", "2"]
     if config is not None:
         argv += ["--config", str(REPO / config)]
+    if table:
+        argv += ["--report"]
     plot = tmp_path / "loss.png"
     try:
         import matplotlib.figure  # noqa: F401
@@ -138,14 +148,67 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, con
     out = capsys.readouterr().out
     for text in ("te Float8CurrentScaling", "high precision (aot_eager)", "step    3/3",
                  "final loss (mean of last 3 steps)", "final-loss gap (te vs high precision)",
-                 "tokens/s (steps 2.., compile excluded)", f"{sites} sites rewritten"):
+                 "tokens/s (steps 2.., compile excluded)", f"te run: {sites}"):
         assert text in out, f"{text!r} missing from:\n{out}"
+    if not table:
+        assert "  sdpa, 1 site not rewritten: [rewrite] sdpa = false and " in out, out
+    # the site table's rows (one per module) and closing total only with --report; the hint without
+    table_lines = ("te_compile.report() (sites of the te run)", "blocks.0.attn.qkv", "lm_head",
+                   "graph 0: rewritten 5 of 5 linear sites", f"{sites.split(' (')[0]}\n")
+    for text in table_lines:
+        assert (text in out) == table, f"{text!r} {'missing from' if table else 'in'}:\n{out}"
+    assert ("te-compile demo --report" in out) != table, out
     # saved-for-backward MiB of the te and high-precision runs: FP8 copies are smaller
     row = next(line for line in out.splitlines() if line.startswith("saved for backward"))
     te_mib, hp_mib = (float(v) for v in row.split()[-3:-1])
     assert 0 < te_mib < hp_mib, row
     if plot is not None:
         assert plot.stat().st_size > 0
+
+
+def _site(fqn: str, op: str, rewritten: bool, reason: str, graph: int = 0) -> SiteRecord:
+    return SiteRecord(fqn, op, "Float8CurrentScaling" if rewritten else None, rewritten, reason,
+                      "x[4, 32]", graph)
+
+
+def test_demo_site_counts_per_op_in_first_seen_order_with_reasons():
+    from te_compile.cli import _site_counts
+
+    long_reason = "blocks.1.mlp.fc: " + "K=10 not divisible by 16 " * 8
+    rep = Report([
+        _site("ln_1", "layer_norm", True, "fused into attn.qkv"),
+        _site("attn.qkv", "linear", True, "linear -> FP8 GEMMs"),
+        _site("attn", "sdpa", False, "[rewrite] sdpa = false"),
+        _site("lm_head", "linear", False, "recipe 'none' (override 'lm_head')"),
+        # a second graph (a graph break): counted with the first, by op
+        _site("blocks.1.ln_1", "layer_norm", True, "fused into blocks.1.attn.qkv", graph=1),
+        _site("blocks.1.attn", "sdpa", False, "[rewrite] sdpa = false", graph=1),
+        _site("blocks.1.mlp.fc", "linear", False, long_reason, graph=1),
+        _site("blocks.1.mlp.proj", "linear", False, "recipe 'none' (override 'lm_head')", graph=1),
+    ])
+    assert rep.op_counts() == [
+        ("layer_norm", 2, 2, {}),
+        ("linear", 1, 4, {"recipe 'none' (override 'lm_head')": 2, long_reason: 1}),
+        ("sdpa", 0, 2, {"[rewrite] sdpa = false": 2}),
+    ]
+    assert _site_counts(rep) == [
+        "te run: 3 of 8 sites rewritten (layer_norm 2/2, linear 1/4, sdpa 0/2)",
+        "  linear, 3 sites not rewritten: 2 x recipe 'none' (override 'lm_head'); "
+        f"1 x {long_reason[:97]}...",
+        "  sdpa, 2 sites not rewritten: [rewrite] sdpa = false",
+    ]
+
+
+def test_demo_site_counts_name_a_few_reasons_per_op():
+    from te_compile.cli import _site_counts
+
+    rep = Report([_site(f"fc{i}", "linear", False, f"fc{i}: N={10 + i} not divisible by 16") for i in range(5)])
+    assert rep.op_counts() == [("linear", 0, 5, {f"fc{i}: N={10 + i} not divisible by 16": 1 for i in range(5)})]
+    assert _site_counts(rep)[1] == ("  linear, 5 sites not rewritten: 1 x fc0: N=10 not divisible by 16; "
+                                    "1 x fc1: N=11 not divisible by 16; 1 x fc2: N=12 not divisible by 16; "
+                                    "2 more reasons (see --report)")
+    assert Report().op_counts() == []
+    assert _site_counts(Report()) == [str(Report())]
 
 
 def test_get_batch_is_deterministic_and_shifted():
