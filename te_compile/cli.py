@@ -1,14 +1,15 @@
 """``te-compile`` / ``python -m te_compile``: the demo and the report dry run.
 
     te-compile demo [--config PATH | --recipe NAME] [--steps N] [--device cpu|cuda] [--plot out.png]
-                    [--report]
+                    [--report] [--peer torchao]
     te-compile report MODULE:FACTORY [--config PATH] [--recipe NAME] [--batch-size B] [--seq-len T]
     te-compile --version
 
 ``demo`` trains the same GPT (te_compile.models) twice on the same batches of the standard library's
 source bytes (te_compile.data): once compiled with ``backend="te"``, once with inductor in high
 precision, and prints the two loss curves, throughput, saved-activation memory and how many sites of
-each op the te run rewrote (the full site table with --report).
+each op the te run rewrote (the full site table with --report); ``--peer torchao`` adds a third run,
+the same model converted with torchao's float8 training (the peer a user would pick instead).
 ``report`` compiles any model factory with the te backend (aot_eager: no codegen) and prints which
 sites were rewritten and why the others were not. Usage errors exit with status 2.
 """
@@ -36,6 +37,8 @@ __all__ = ["main"]
 _PROG = "te-compile"
 _DEFAULT_RECIPE = "Float8CurrentScaling"
 _PLOT_HINT = 'pip install "te_compile[plot]"'
+_BENCH_HINT = 'pip install "te_compile[bench]"'
+_PEERS = ("torchao",)
 _REASONS_SHOWN = 3    # distinct reasons named per op in the demo's site counts; all of them: --report
 _REASON_WIDTH = 100   # characters of one reason shown there
 
@@ -211,14 +214,15 @@ def _train(label: str, compiled: torch.nn.Module, params, batches, lr: float, to
     return result
 
 
-def _plot(path: str, te: _RunResult, hp: _RunResult, title: str) -> None:
+def _plot(path: str, runs: list[_RunResult], title: str) -> None:
+    """The loss curves of ``runs`` (te first, then high precision, then a peer) in one figure."""
     from matplotlib.figure import Figure
 
     fig = Figure(figsize=(7, 4.2), dpi=120)
     ax = fig.subplots()
-    steps = range(1, len(te.losses) + 1)
-    ax.plot(steps, hp.losses, label=hp.label, linewidth=1.5)
-    ax.plot(steps, te.losses, label=te.label, linewidth=1.5, linestyle="--")
+    steps = range(1, len(runs[0].losses) + 1)
+    for run, style in zip(runs, ("--", "-", ":")):
+        ax.plot(steps, run.losses, label=run.label, linewidth=1.5, linestyle=style)
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
     ax.set_title(title, fontsize=9)
@@ -260,6 +264,21 @@ def _site_counts(rep: Report) -> list[str]:
     return lines
 
 
+def _torchao_float8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
+    """``model`` with its linears converted by torchao's float8 training (tensorwise scaling, its
+    default recipe), in place: the module swap a torchao user writes. On a CPU torchao has no FP8 GEMM
+    and emulates it (``emulate=True``). Linears whose dims are not multiples of 16 stay as they are,
+    as torchao requires (te leaves the same ones in high precision)."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    def eligible(module: torch.nn.Module, fqn: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+                and module.out_features % 16 == 0)
+
+    config = Float8LinearConfig(emulate=device.type != "cuda")
+    return convert_to_float8_training(model, config=config, module_filter_fn=eligible)
+
+
 def _demo(args: argparse.Namespace) -> int:
     from . import report as te_report, reset
     from .data import VOCAB_SIZE, get_batch
@@ -270,6 +289,11 @@ def _demo(args: argparse.Namespace) -> int:
             import matplotlib.figure  # noqa: F401  (the plot extra)
         except ImportError:
             raise UsageError(f"--plot needs matplotlib, which is not installed: {_PLOT_HINT}") from None
+    if args.peer == "torchao":
+        try:
+            import torchao.float8  # noqa: F401  (the bench extra)
+        except ImportError:
+            raise UsageError(f"--peer torchao needs torchao, which is not installed: {_BENCH_HINT}") from None
     if args.steps < 1 or args.batch_size < 1:
         raise UsageError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
     if args.config is not None and not os.path.isfile(args.config):
@@ -301,54 +325,74 @@ def _demo(args: argparse.Namespace) -> int:
           file=out)
     te_label = f"te {te.config.recipe.name if te.config.recipe is not None else 'none'}"
     hp_label = f"high precision ({hp_backend})"
+    peer_label = "torchao float8"
     print(f"  te run: torch.compile(backend=te), recipe {_recipe_label(te)}", file=out)
     print(f"  hp run: torch.compile(backend={hp_backend!r}), {dtype_name}", file=out)
+    if args.peer == "torchao":
+        emulated = ", FP8 GEMMs emulated (no FP8 GEMM on a CPU)" if device.type != "cuda" else ""
+        print(f"  peer run: torchao.float8.convert_to_float8_training (tensorwise){emulated}, "
+              f"torch.compile(backend={hp_backend!r})", file=out)
     print(file=out, flush=True)
 
+    # (label, backend, model transform): te, high precision, and the peer when asked for
+    plan = [(te_label, te, None), (hp_label, hp_backend, None)]
+    if args.peer == "torchao":
+        plan.append((peer_label, hp_backend, _torchao_float8))
     reset()
-    results = {}
-    width = max(len(te_label), len(hp_label))
-    for label, backend_fn in ((te_label, te), (hp_label, hp_backend)):
-        torch.manual_seed(args.seed)  # identical initial weights for both runs
+    runs = []
+    width = max(len(label) for label, _, _ in plan)
+    for label, backend_fn, transform in plan:
+        torch.manual_seed(args.seed)  # identical initial weights for every run
         model: GPT = factory().to(device=device, dtype=dtype)
+        if transform is not None:
+            model = transform(model, device)
         compiled = torch.compile(model, backend=backend_fn)
         result = _train(label.ljust(width), compiled, model.parameters(), batches, args.lr,
                         tokens_per_step, device, out)
         result.label = label
         result.saved_bytes = _saved_for_backward_bytes(compiled, *batches[0])
-        results[label] = result
-    te_run, hp_run = results[te_label], results[hp_label]
+        runs.append(result)
+    te_run, hp_run, others = runs[0], runs[1], runs[2:]
+    labels = [run.label for run in runs]
+    # each low-precision run against high precision: te, then the peer
+    against_hp = [(te_run, "te")] + [(run, "torchao") for run in others]
 
     # Loss curves, side by side: about ten rows plus the first and last step
     every = max(1, args.steps // 10)
-    rows = [(s, f"{te_run.losses[s - 1]:.4f}", f"{hp_run.losses[s - 1]:.4f}",
-             f"{te_run.losses[s - 1] - hp_run.losses[s - 1]:+.4f}")
+    rows = [(s, *(f"{run.losses[s - 1]:.4f}" for run in runs),
+             *(f"{run.losses[s - 1] - hp_run.losses[s - 1]:+.4f}" for run, _ in against_hp))
             for s in range(1, args.steps + 1) if s == 1 or s % every == 0 or s == args.steps]
     print(f"\nTraining loss (every {every} steps)", file=out)
-    print(tabulate(rows, headers=["step", te_label, hp_label, "te - hp"], disable_numparse=True), file=out)
+    print(tabulate(rows, headers=["step", *labels, *(f"{name} - hp" for _, name in against_hp)],
+                   disable_numparse=True), file=out)
 
     n_final = min(5, args.steps)
-    te_final, hp_final = te_run.final_loss(), hp_run.final_loss()
-    gap = 100.0 * (te_final - hp_final) / hp_final
-    te_tps, hp_tps = te_run.tokens_per_s(tokens_per_step), hp_run.tokens_per_s(tokens_per_step)
-    te_mib = te_run.saved_bytes / 2**20 if te_run.saved_bytes else None
-    hp_mib = hp_run.saved_bytes / 2**20 if hp_run.saved_bytes else None
+    hp_final = hp_run.final_loss()
+    gaps = [100.0 * (run.final_loss() - hp_final) / hp_final for run, _ in against_hp]
+    tps = [run.tokens_per_s(tokens_per_step) for run in runs]
+    mib = [run.saved_bytes / 2**20 if run.saved_bytes else None for run in runs]
 
     def ratio(a, b):
         return f"{a / b:.2f}x" if a is not None and b else "n/a"
 
+    def vs_hp(values):
+        # a low-precision run's figure over high precision's, for te and the peer
+        return [ratio(values[runs.index(run)], values[1]) for run, _ in against_hp]
+
     summary = [
-        (f"final loss (mean of last {n_final} steps)", f"{te_final:.4f}", f"{hp_final:.4f}",
-         f"{gap:+.2f}%"),
-        ("tokens/s (steps 2.., compile excluded)", _fmt(te_tps, ",.0f"), _fmt(hp_tps, ",.0f"),
-         ratio(te_tps, hp_tps)),
-        ("first step incl. compile (s)", f"{te_run.step_times[0]:.1f}", f"{hp_run.step_times[0]:.1f}", ""),
-        ("saved for backward, one step (MiB)", _fmt(te_mib, ".2f"), _fmt(hp_mib, ".2f"),
-         ratio(te_mib, hp_mib)),
+        (f"final loss (mean of last {n_final} steps)", *(f"{run.final_loss():.4f}" for run in runs),
+         *(f"{gap:+.2f}%" for gap in gaps)),
+        ("tokens/s (steps 2.., compile excluded)", *(_fmt(v, ",.0f") for v in tps), *vs_hp(tps)),
+        # no ratio: the runs share one process, so later ones find some compile work cached
+        ("first step incl. compile (s)", *(f"{run.step_times[0]:.1f}" for run in runs), *("" for _ in against_hp)),
+        ("saved for backward, one step (MiB)", *(_fmt(v, ".2f") for v in mib), *vs_hp(mib)),
     ]
     print("\nSummary", file=out)
-    print(tabulate(summary, headers=["", te_label, hp_label, "te vs hp"], disable_numparse=True), file=out)
-    print(f"\nfinal-loss gap (te vs high precision): {gap:+.2f}%", file=out)
+    print(tabulate(summary, headers=["", *labels, *(f"{name} vs hp" for _, name in against_hp)],
+                   disable_numparse=True), file=out)
+    print(file=out)
+    for (_, name), gap in zip(against_hp, gaps):
+        print(f"final-loss gap ({name} vs high precision): {gap:+.2f}%", file=out)
     print("saved-for-backward memory: distinct storages that the compiled forward hands to autograd "
           "for the backward (torch.autograd.graph.saved_tensors_hooks), parameters excluded", file=out)
     if device.type == "cpu":
@@ -367,7 +411,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     if args.plot:
         title = f"GPT {n_layer}x{n_embd}, batch {args.batch_size}x{block_size}, {device.type}"
-        _plot(args.plot, te_run, hp_run, title)
+        _plot(args.plot, runs, title)
         print(f"\nwrote the loss curves to {args.plot}", file=out)
     out.flush()
     return 0
@@ -520,6 +564,9 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--report", action="store_true",
                       help="also print the te run's full site table (te_compile.report(): one row per "
                            "site with its shapes and why it was or was not rewritten)")
+    demo.add_argument("--peer", choices=_PEERS,
+                      help="add a third run with a peer's FP8 training on the same model and batches: "
+                           f"torchao float8 (tensorwise; needs {_BENCH_HINT})")
     # for tests and quick checks: a one-block model, and aot_eager (no inductor codegen) for both runs
     demo.add_argument("--model", choices=("small", "tiny"), default="small", help=argparse.SUPPRESS)
     demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)

@@ -123,6 +123,31 @@ def test_plot_without_matplotlib_exits_2_before_training(monkeypatch, capsys):
     assert "step" not in captured.out  # nothing was trained
 
 
+def test_peer_torchao_without_torchao_exits_2_before_training(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "torchao", None)
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)
+    assert main(["demo", "--peer", "torchao"]) == 2
+    captured = capsys.readouterr()
+    assert 'pip install "te_compile[bench]"' in captured.err and "--peer torchao" in captured.err
+    assert "step" not in captured.out  # nothing was trained
+
+
+def test_demo_peer_torchao_adds_a_third_run(capsys):
+    pytest.importorskip("torchao.float8", reason="the peer run needs torchao (pip install -e '.[bench]')")
+    argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "3", "--batch-size", "2",
+            "--peer", "torchao"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("peer run: torchao.float8.convert_to_float8_training (tensorwise)", "torchao - hp",
+                 "torchao vs hp", "final-loss gap (torchao vs high precision)"):
+        assert text in out, f"{text!r} missing from:\n{out}"
+    assert any(line.startswith("torchao float8") and "step    3/3" in line for line in out.splitlines()), out
+    # torchao's run saves FP8 copies as well: fewer bytes than high precision
+    row = next(line for line in out.splitlines() if line.startswith("saved for backward"))
+    te_mib, hp_mib, ao_mib = (float(v) for v in row.split()[-5:-2])
+    assert 0 < ao_mib < hp_mib and 0 < te_mib < hp_mib, row
+
+
 # the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head
 _TINY_SDPA_OFF = "9 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 0/1, gelu 1/1)"
 _TINY_SDPA_ON = "10 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 1/1, gelu 1/1)"
