@@ -8,7 +8,6 @@ import torch
 from te_compile.kernels import norm_quantize as nq
 from te_compile.kernels._fp_bits import HAS_TRITON
 from te_compile.kernels.norm_quantize import (
-    NormSpec,
     norm_backward,
     norm_backward_reference,
     norm_forward_reference,
@@ -17,6 +16,7 @@ from te_compile.kernels.norm_quantize import (
     norm_stats,
     norm_stats_reference,
 )
+from te_compile.norm_spec import NormSpec
 from utils import FP8_DTYPES, assert_bitwise_equal, fp8_id, seed
 
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -210,3 +210,67 @@ def test_custom_ops_launch_the_kernels(with_weight):
     for op, args in ((ops.norm_stats, (x, w, b, spec.encode())),
                      (ops.norm_backward, (dy, x, w, mean, rstd, spec.encode()))):
         torch.library.opcheck(op.default, args, test_utils=("test_schema",))
+
+
+# Run in a fresh process without TRITON_INTERPRET (conftest sets it on CPU): the analysis lowers
+# the real JIT functions to Triton IR, for an sm90 target since there is no GPU to ask.
+_WRITES = r"""
+import json, sys, types
+from unittest import mock
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from torch._higher_order_ops.triton_kernel_wrap import identify_accessed_tensors
+from te_compile.kernels import norm_quantize as nq
+from te_compile.norm_spec import NormSpec
+
+launches = []
+def wrap(kernel):
+    class Grid:
+        def __getitem__(self, grid):
+            return lambda *a, **kw: launches.append((kernel, {**dict(zip(kernel.arg_names, a)), **kw}))
+    return Grid()
+
+x, dy, m = torch.randn(64, 256), torch.randn(64, 256), torch.zeros(64)
+out = {}
+for name, affine in (("ln", True), ("rms", True), ("ln_noaffine", False)):
+    spec = NormSpec("layer_norm" if name != "rms" else "rms_norm", 1e-5)
+    w = torch.randn(256) if affine else None
+    b = torch.randn(256) if affine and name == "ln" else None
+    launches.clear()
+    nq._launch_stats(x, w, b, spec, wrap)
+    nq._launch_quantize(x, w, b, m, m + 1, torch.ones(1), spec, torch.float8_e4m3fn, wrap)
+    nq._launch_backward(dy, x, w, m, m + 1, spec, wrap)
+    sm90 = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32))
+    with mock.patch.object(triton.runtime.driver, "_active", sm90):
+        for kernel, args in launches:
+            acc = identify_accessed_tensors(kernel, args, {})
+            out[f"{name} {kernel.fn.__name__}"] = sorted(
+                d.name for d in acc.read_writes.writes if isinstance(args.get(d.name), torch.Tensor))
+print(json.dumps(out))
+"""
+
+
+@needs_triton
+def test_inductor_sees_each_kernel_write_only_its_outputs():
+    """Inside the triton_ops inductor asks torch's analysis of the Triton IR which arguments a kernel
+    writes, and copies each of them before the launch (a write it cannot rule out). So the analysis
+    must find exactly the outputs: a store through an index that a helper call returned once made it
+    list dy, x and w as written too (three extra [M, K] copies per norm backward on a GPU)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", _WRITES], capture_output=True, text=True, timeout=300, env=env,
+                          cwd=Path(__file__).resolve().parents[1])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(proc.stdout.strip().splitlines()[-1])
+    expected = {}
+    for name in ("ln", "rms", "ln_noaffine"):
+        expected[f"{name} _norm_stats_kernel"] = ["amax_ptr", "mean_ptr", "rstd_ptr"]
+        expected[f"{name} _norm_quantize_kernel"] = ["data_ptr", "data_t_ptr"]
+        expected[f"{name} _norm_backward_kernel"] = (["db_part_ptr", "dw_part_ptr", "dx_ptr"] if name != "ln_noaffine"
+                                                     else ["dx_ptr"])
+    assert written == expected

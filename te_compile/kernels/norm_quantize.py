@@ -275,14 +275,15 @@ if HAS_TRITON:
         tl.store(data_t_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
     @triton.jit
-    def _backward_tile(dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
-                       IS_LN: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-        """One [rows, BLOCK_K] tile of the backward from column k0: (cols, cmask, mask, dy, xhat, dxhat),
-        fp32; dxhat = dy * w (or dy * (1 + w), or dy without a weight)."""
-        cols = k0 + tl.arange(0, BLOCK_K)
-        cmask = cols < K
-        mask = rmask[:, None] & cmask[None, :]
+    def _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd, stride_dym, stride_xm,
+                       IS_LN: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
+        """One [rows, cols] tile of the backward: (dy, xhat, dxhat), fp32; dxhat = dy * w (or
+        dy * (1 + w), or dy without a weight).
+
+        It returns values only, never an index: torch's analysis of which arguments a kernel writes
+        (triton_op) takes anything a call returns as possibly derived from the pointers passed to it,
+        so a store through a returned index would mark dy, x and w as written, and inductor would
+        copy them before every launch."""
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(dy_ptr + rows[:, None] * stride_dym + cols[None, :], mask=mask, other=0.0).to(tl.float32)
         xhat = _normalize(x, mean, rstd, IS_LN)
@@ -292,7 +293,7 @@ if HAS_TRITON:
             if ZERO_CENTERED:
                 w = w + 1.0
             dxhat = dy * w
-        return cols, cmask, mask, dy, xhat, dxhat
+        return dy, xhat, dxhat
 
     @triton.jit
     def _norm_backward_kernel(
@@ -312,18 +313,22 @@ if HAS_TRITON:
         s_dxhat = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         s_proj = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            cols, cmask, mask, dy, xhat, dxhat = _backward_tile(
-                dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
-                IS_LN, HAS_W, ZERO_CENTERED, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            mask = rmask[:, None] & cmask[None, :]
+            dy, xhat, dxhat = _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd,
+                                             stride_dym, stride_xm, IS_LN, HAS_W, ZERO_CENTERED)
             s_dxhat += dxhat
             s_proj += tl.where(mask, dxhat * xhat, 0.0)
         c_dxhat = tl.sum(s_dxhat, axis=1) / K
         c_proj = tl.sum(s_proj, axis=1) / K
         # pass 2: dx, and this program's share of dw, db
         for k0 in range(0, K, BLOCK_K):
-            cols, cmask, mask, dy, xhat, dxhat = _backward_tile(
-                dy_ptr, x_ptr, w_ptr, rows, rmask, mean, rstd, k0, K, stride_dym, stride_xm,
-                IS_LN, HAS_W, ZERO_CENTERED, BLOCK_K)
+            cols = k0 + tl.arange(0, BLOCK_K)
+            cmask = cols < K
+            mask = rmask[:, None] & cmask[None, :]
+            dy, xhat, dxhat = _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd,
+                                             stride_dym, stride_xm, IS_LN, HAS_W, ZERO_CENTERED)
             if HAS_W:
                 seen = tl.where(mask, _round(xhat, PRE), 0.0)
                 tl.store(dw_part_ptr + pid * K + cols, tl.sum(dy * seen, axis=0), mask=cmask)
@@ -411,17 +416,22 @@ def _launch_backward(dy, x, weight, mean, rstd, spec: NormSpec, wrap):
     m, k = x.shape
     grid = (max(1, -(-m // _STATS_BLOCK_M)),)
     dx = torch.empty((m, k), dtype=x.dtype, device=x.device)
-    parts = torch.zeros((2, grid[0], k), dtype=torch.float32, device=x.device)
+    # each program's column sums of dw and db [programs, K], fp32: with a weight the kernel writes every
+    # element (no fill needed), without one it reads and writes neither (dx stands in as a pointer).
+    # Two buffers, not two views of one: inductor copies a view a kernel writes into before the launch.
+    dw_part, db_part = ((torch.empty((grid[0], k), dtype=torch.float32, device=x.device) for _ in range(2))
+                        if weight is not None and m else (dx, dx))
     if m and k:
         c = _constexprs(spec)
         wrap(_norm_backward_kernel)[grid](
-            dy, x, _or(weight, x), mean, rstd, dx, parts[0], parts[1], m, k, dy.stride(0), x.stride(0),
+            dy, x, _or(weight, x), mean, rstd, dx, dw_part, db_part, m, k, dy.stride(0), x.stride(0),
             IS_LN=c["IS_LN"], HAS_W=weight is not None, ZERO_CENTERED=c["ZERO_CENTERED"], PRE=c["PRE"],
             BLOCK_M=_STATS_BLOCK_M, BLOCK_K=_STATS_BLOCK_K)
     if weight is None:
         return dx, None, None
-    # two separate tensors (custom ops may not return outputs that alias each other)
-    return dx, parts[0].sum(0).to(weight.dtype), parts[1].sum(0).to(weight.dtype)
+    if not m:   # no rows: the sums of nothing
+        return dx, torch.zeros_like(weight), torch.zeros_like(weight)
+    return dx, dw_part.sum(0).to(weight.dtype), db_part.sum(0).to(weight.dtype)
 
 
 def _or(t: Optional[torch.Tensor], other: torch.Tensor) -> torch.Tensor:
