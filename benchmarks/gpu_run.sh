@@ -6,6 +6,7 @@
 #   bash benchmarks/gpu_run.sh suite-a    # gpu_suite: quantize, GEMM epilogue, norm parts
 #   bash benchmarks/gpu_run.sh suite-b    # gpu_suite: linear at 4096^3 and 8192^3
 #   bash benchmarks/gpu_run.sh suite-c    # gpu_suite: GPT block at width 4096
+#   bash benchmarks/gpu_run.sh suite-d    # gpu_suite: the block step measured beside project_gpu.py
 #   bash benchmarks/gpu_run.sh profile    # profile_step (inductor, CS, DS), bench_attention
 #   bash benchmarks/gpu_run.sh all-tests  # the whole suite
 #
@@ -18,8 +19,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|profile|all-tests) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|profile|all-tests" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -54,6 +55,10 @@ case "$part" in
         ;;
     suite-c)
         "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 2>&1 | tee "$OUT/suite-c.txt" | tail -40
+        ;;
+    suite-d)
+        # six providers compiled at 8x2048x4096: a call of its own
+        "$PY" benchmarks/gpu_suite.py --no-append --only projection --iters 20 2>&1 | tee "$OUT/suite-d.txt" | tail -40
         ;;
     profile)
         for recipe in inductor Float8CurrentScaling DelayedScaling; do

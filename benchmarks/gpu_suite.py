@@ -3,8 +3,9 @@
     python benchmarks/gpu_suite.py                    # CUDA: everything, appended to BENCHMARKS.md
     python benchmarks/gpu_suite.py --device cpu       # tiny shapes, to keep the script working
     python benchmarks/gpu_suite.py --only linear quantize --no-append
+    python benchmarks/gpu_suite.py --only projection   # the GPT block step beside its H100 projection
 
-Five parts, each provider measured side by side in this one run:
+Six parts, each provider measured side by side in this one run:
 - linear: forward + backward of one bias-free nn.Linear at M = K = N = 4096 and 8192 (CPU: 128), te
   with each recipe vs inductor (bf16 on CUDA, fp32 on CPU) vs torchao float8 tensorwise when it
   imports; TFLOP/s from 6·M·K·N;
@@ -19,7 +20,12 @@ Five parts, each provider measured side by side in this one run:
   torch._scaled_mm alone; it decides whether the lowerings should call the Triton GEMM;
 - norm: RMSNorm fused with per-tensor FP8 quantization at 4096 x 16384 bf16 (CPU: 256 x
   512): te's kernels (a stats pass, then one pass writing the rowwise and transposed FP8 bytes) under
-  current and delayed scaling vs inductor's RMSNorm alone and inductor's RMSNorm-then-quantize.
+  current and delayed scaling vs inductor's RMSNorm alone and inductor's RMSNorm-then-quantize;
+- projection: the bare GPT block (te_compile.models.Block: forward + backward, no optimizer, no
+  embedding) at 8 x 2048 tokens, width 4096, 32 heads (CPU: 2 x 32, width 64, 4 heads), under the
+  providers of benchmarks/project_gpu.py, measured here and printed beside that script's H100
+  projection of the same step (computed from inductor's GPU kernels, without a GPU), so that the
+  projection's assumptions can be checked against a measurement.
 
 The goals (H100) are printed beside the measured ratios: FP8 linear at 8192³ ≥ 1.7× bf16
 (TransformerEngine's current scaling reaches 1.58×), GPT block ≥ 1.35× bf16 and ≥ 1.1× torchao float8,
@@ -47,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common
 import bench_block
 import bench_linear
+import project_gpu
 from experiments.fp8_cast_transpose import fp8_cast_transpose
 from experiments.fp8_gemm import fp8_gemm_amax
 from te_compile.gemm import fp8_gemm
@@ -54,17 +61,20 @@ from te_compile.kernels.float8_block_quantize import float8_block_quantize
 from te_compile.kernels.mxfp8_quantize import mxfp8_quantize
 from te_compile.kernels.norm_quantize import NormSpec, norm_quantize, norm_stats
 from te_compile.kernels.nvfp4_quantize import nvfp4_quantize
+from te_compile.models import Block
 from te_compile.scaling import cast_to_fp8, compute_scale, tensor_amax
 
-PARTS = ("linear", "block", "quantize", "epilogue", "norm")
+PARTS = ("linear", "block", "quantize", "epilogue", "norm", "projection")
 BENCHMARKS_MD = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "BENCHMARKS.md")
 E4M3 = torch.float8_e4m3fn
 
-# per device: linear cubes, the GPT block (B, T, C, heads), the quantize input [M, K]
+# per device: linear cubes, the GPT block (B, T, C), the quantize input [M, K], the projected block
+# (B, T, C, heads; project_gpu.py's default shape on CUDA)
 SHAPES = {
     "cuda": {"linear": (4096, 8192), "block": (2, 2048, 4096), "quantize": (8192, 8192), "epilogue": (4096, 8192),
-             "norm": (4096, 16384)},
-    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512), "epilogue": (128,), "norm": (256, 512)},
+             "norm": (4096, 16384), "projection": (8, 2048, 4096, 32)},
+    "cpu": {"linear": (128,), "block": (2, 32, 64), "quantize": (512, 512), "epilogue": (128,), "norm": (256, 512),
+            "projection": (2, 32, 64, 4)},
 }
 GOALS = {"linear": 1.7, "block": 1.35, "block_vs_torchao": 1.1, "quantize": 0.85,
          "norm_delayed": 1.1, "norm_current": 1.6, "norm_vs_unfused": 1.3}
@@ -245,6 +255,78 @@ def norm_rows(device, dtype, args) -> list[dict]:
     return rows
 
 
+# ---- projection: the block step measured beside project_gpu.py's H100 projection --------------------------
+
+def _block_step(provider: project_gpu.BlockProvider, b: int, t: int, c: int, heads: int, device, dtype):
+    """One forward + backward of a compiled Block, with a fixed output gradient: the step project_gpu.py
+    projects. torchao emulates its FP8 GEMMs on a CPU (Float8LinearConfig(emulate=True))."""
+    torch.manual_seed(0)
+    model = Block(c, heads).to(device=device, dtype=dtype)
+    fn = provider.compile(model, emulate=device.type == "cpu")
+    # x, dy: [B, T, C]; x needs a gradient, as a block inside a deeper model does
+    x = torch.randn(b, t, c, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn_like(x)
+
+    def step():
+        fn(x).backward(dy)
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+    return step
+
+
+def projection_rows(device, dtype, args) -> list[dict]:
+    b, t, c, heads = SHAPES[device.type]["projection"]
+    names = [n for n in project_gpu.DEFAULT_PROVIDERS
+             if not (args.recipes and n.startswith("te ") and n.split()[1].rstrip(",") not in args.recipes)]
+    measured: dict[str, Optional[float]] = {}
+    notes: dict[str, str] = {}
+    for name in names:
+        torch._dynamo.reset()
+        try:
+            step = _block_step(project_gpu.PROVIDERS[name], b, t, c, heads, device, dtype)
+            measured[name] = _common.time_step(step, device, args.iters, args.warmup)[1]
+        except Exception as e:   # one provider failing must not hide the others
+            measured[name] = None
+            first = str(e).strip().splitlines()[0][:100] if str(e).strip() else ""
+            notes[name] = f"failed: {type(e).__name__}: {first}"
+        ms = measured[name]
+        print(f"  {b}x{t}x{c}  {name:<40} {'n/a' if ms is None else f'{ms * 1e3:.3f} ms'}", flush=True)
+    torch._dynamo.reset()
+    print("  projecting (H100 model, fake tensors):", flush=True)
+    projected = project_gpu.project_block(b, t, c, heads, names, log=lambda line: print(line, flush=True))
+    hw = project_gpu.Hardware()
+    proj = {n: (p.seconds(hw) if p.kernels else None) for n, p in projected.items()}
+    rows = []
+    for name in names:
+        m, p = measured[name], proj.get(name)
+        base_m, base_p = measured.get("inductor"), proj.get("inductor")
+        rows.append({"provider": name, "measured ms": None if m is None else m * 1e3,
+                     "projected H100 ms": None if p is None else p * 1e3,
+                     "measured / projected": m / p if m and p else None,
+                     "measured vs inductor": base_m / m if m and base_m else None,
+                     "projected vs inductor": base_p / p if p and base_p else None,
+                     "note": notes.get(name) or projected[name].note})
+    return rows
+
+
+def _projection_goals(rows, size: str) -> list[str]:
+    by = {r["provider"]: r for r in rows}
+    fmt = (lambda v: "n/a" if v is None else f"{v:.2f}x")
+    out = []
+    for name in ("te Float8CurrentScaling", "te DelayedScaling"):
+        if name not in by:
+            continue
+        ratios = {}
+        for kind in ("measured", "projected"):
+            key = "measured ms" if kind == "measured" else "projected H100 ms"
+            mine, ao = by[name][key], by.get("torchao float8", {}).get(key)
+            ratios[kind] = (by[name][f"{kind} vs inductor"], ao / mine if ao and mine else None)
+        out.append(f"GPT block fwd + bwd {size}, {name}: {fmt(ratios['measured'][0])} vs inductor (projected "
+                   f"{fmt(ratios['projected'][0])}, goal >= {GOALS['block']}x), {fmt(ratios['measured'][1])} vs "
+                   f"torchao float8 (projected {fmt(ratios['projected'][1])}, goal >= {GOALS['block_vs_torchao']}x)")
+    return out
+
+
 def _norm_goals(rows) -> list[str]:
     ms = {r["case"]: r["ms"] for r in rows}
     alone = ms.get("RMSNorm alone (inductor)")
@@ -296,6 +378,9 @@ def goal_lines(device, results) -> list[str]:
                            f"(> 1: wire it into the lowerings)")
     if "norm" in results:
         out += _norm_goals(results["norm"])
+    if "projection" in results:
+        b, t, c, _ = SHAPES[device.type]["projection"]
+        out += _projection_goals(results["projection"], f"{b}x{t}x{c}")
     return out
 
 
@@ -335,6 +420,12 @@ def report(device, args, results) -> str:
         lines += [f"RMSNorm + per-tensor FP8 quantize, forward, {m}x{k} (Liger's RMSNorm alone: 0.095 ms "
                   f"published on an H100 at 4096x16384 bf16):",
                   tabulate(results["norm"], headers="keys", floatfmt=".3f", missingval="-"), ""]
+    if "projection" in results:
+        b, t, c, heads = SHAPES[device.type]["projection"]
+        where = "" if device.type == "cuda" else " (CPU: the measurement is fp32 on this CPU, the projection an H100's)"
+        lines += [f"GPT block forward + backward, {b}x{t}x{c}, {heads} heads, measured beside project_gpu.py's H100 "
+                  f"projection{where}:",
+                  tabulate(results["projection"], headers="keys", floatfmt=".3f", missingval="-"), ""]
     lines += ["goals:"] + [f"- {g}" for g in goal_lines(device, results)]
     return "\n".join(lines)
 
@@ -379,6 +470,9 @@ def main() -> None:
     if "norm" in args.only:
         print("RMSNorm + quantize:", flush=True)
         results["norm"] = norm_rows(device, dtype, args)
+    if "projection" in args.only:
+        print("GPT block step, measured and projected:", flush=True)
+        results["projection"] = projection_rows(device, dtype, args)
     text = report(device, args, results)
     print("\n" + text)
     if args.append or (device.type == "cuda" and not args.no_append):
