@@ -5,12 +5,23 @@ A provider turns a plain ``nn.Module`` into the callable that is timed:
   CPU, where bf16 matmuls are extremely slow);
 - ``te <Recipe>``: ``torch.compile(backend=te_compile.backend(recipe=...))`` for every recipe the
   backend supports;
-- ``torchao float8``: ``torchao.float8.convert_to_float8_training`` + inductor, when torchao imports.
+- ``torchao float8`` (tensorwise) / ``torchao float8 rowwise``: the peer a user would pick instead,
+  ``torchao.float8.convert_to_float8_training`` (a module swap) + inductor, when torchao imports
+  (``pip install -e '.[bench]'``). Tensorwise (torchao's default: per-tensor dynamic scales, E4M3
+  forward, E5M2 grad_output) is the peer of te's per-tensor recipes; rowwise (per-row power-of-two
+  scales, E4M3 everywhere) the closest peer of te's block recipes. On CUDA torchao runs its own FP8
+  GEMMs; elsewhere ``emulate=True``, its fp32 matmul of the dequantized FP8 values, which is what
+  te's CPU rows run too (torch 2.13 also has a CPU ``torch._scaled_mm``, which torchao's non-emulated
+  path would call: like te, we do not time that scalar-upcast path on CPU).
+
+Every provider of a case gets a deep copy of one model instance and the same data.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import dataclasses
 import datetime
 import json
 import os
@@ -44,6 +55,50 @@ TE_RECIPES = {
 }
 
 BLOCK_RECIPES = ("MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling")
+
+# torchao float8 recipes (Float8LinearConfig.from_recipe_name) measured beside te's: tensorwise for
+# the per-tensor recipes, rowwise for the block recipes
+TORCHAO_RECIPES = ("tensorwise", "rowwise")
+TORCHAO_MISSING = "torchao not installed (pip install -e '.[bench]')"
+
+
+def torchao_available() -> bool:
+    """Whether torchao.float8 imports (the ``bench`` extra)."""
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def torchao_config(recipe: str, device: torch.device):
+    """torchao's ``Float8LinearConfig`` for ``recipe`` (tensorwise, rowwise) on ``device``: its own FP8
+    GEMMs on CUDA, ``emulate=True`` elsewhere. Raises ImportError without torchao."""
+    from torchao.float8 import Float8LinearConfig
+
+    if recipe not in TORCHAO_RECIPES:
+        raise ValueError(f"torchao recipe must be one of {TORCHAO_RECIPES}, got {recipe!r}")
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    return config if torch.device(device).type == "cuda" else dataclasses.replace(config, emulate=True)
+
+
+def torchao_convert(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:
+    """``model`` with its linears swapped for torchao's Float8Linear, in place (what a torchao user
+    writes before ``torch.compile``). Linears whose dims are not multiples of 16 stay as they are,
+    as torchao requires; te leaves the same ones in high precision."""
+    from torchao.float8 import convert_to_float8_training
+
+    def eligible(module: torch.nn.Module, fqn: str) -> bool:
+        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
+                and module.out_features % 16 == 0)
+
+    return convert_to_float8_training(model, config=torchao_config(recipe, device), module_filter_fn=eligible)
+
+
+def torchao_note(recipe: str, device: torch.device) -> str:
+    """What a torchao row runs, for its note column."""
+    gemm = "FP8 GEMMs" if torch.device(device).type == "cuda" else "emulate=True"
+    return f"{recipe}, {gemm}, inductor"
 
 
 @dataclass
@@ -111,11 +166,14 @@ def precision_note(device: torch.device) -> str:
                 "rows run F.scaled_mm where te_compile's self-test passed on this GPU (else emulated), "
                 "and their '(emulated)' twins force the dequantize-then-matmul emulation")
     return ("CPU: the inductor baseline runs in fp32 (bf16 matmuls are very slow on this CPU); the "
-            "te rows' FP8 GEMMs are emulated in software by torch._scaled_mm, so te is expected to "
-            "be slower than fp32 here")
+            "te rows' FP8 GEMMs are fp32 matmuls of the FP8 values (torch._scaled_mm's bits) and the "
+            "torchao rows run emulate=True (fp32 matmuls of the dequantized values), so both are "
+            "expected to be slower than fp32 here")
 
 
-def providers(device: torch.device) -> list[Provider]:
+def providers(device: torch.device, rowwise: bool = False) -> list[Provider]:
+    """inductor, te with each recipe, torchao tensorwise ("torchao float8", the name gpu_suite.py's
+    goals look up) and, with ``rowwise``, torchao rowwise."""
     out = [Provider("inductor", False, lambda m: torch.compile(m, dynamic=False),
                     note=f"torch.compile, {str(baseline_dtype(device)).replace('torch.', '')}")]
     for recipe, options in TE_RECIPES.items():
@@ -128,16 +186,19 @@ def providers(device: torch.device) -> list[Provider]:
                 return torch.compile(m, backend=backend, dynamic=False)
             out.append(Provider(f"te {recipe} (emulated)", True, prepare_emulated,
                                 note="native_block_gemm = false"))
-    try:
-        from torchao.float8 import convert_to_float8_training
-    except ImportError:
-        out.append(Provider("torchao float8", True, None, note="torchao not installed"))
-    else:
-        def prepare_ao(m):
-            convert_to_float8_training(m)
-            return torch.compile(m, dynamic=False)
-        out.append(Provider("torchao float8", True, prepare_ao, note="tensorwise, inductor"))
+    available = torchao_available()
+    for recipe in TORCHAO_RECIPES if rowwise else ("tensorwise",):
+        def prepare_ao(m, recipe=recipe):
+            return torch.compile(torchao_convert(m, recipe, device), dynamic=False)
+        name = "torchao float8" if recipe == "tensorwise" else f"torchao float8 {recipe}"
+        out.append(Provider(name, True, prepare_ao if available else None,
+                            note=torchao_note(recipe, device) if available else TORCHAO_MISSING))
     return out
+
+
+def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A deep copy of ``model``: every provider starts from the same instance's weights."""
+    return copy.deepcopy(model)
 
 
 def _sync(device: torch.device) -> None:
@@ -233,7 +294,7 @@ def parse_sizes(text: str, form: str) -> list[tuple[int, ...]]:
 
 
 def compare(cases, device: torch.device, args: argparse.Namespace, ms_digits: int) -> list[Row]:
-    """Run every provider on every case, printing each median as it comes.
+    """Run every provider (torchao rowwise included) on every case, printing each median as it comes.
 
     cases: (size label, FLOPs per step, builder for run_provider). Speedups are against the
     "inductor" provider of the same case.
@@ -241,7 +302,7 @@ def compare(cases, device: torch.device, args: argparse.Namespace, ms_digits: in
     rows = []
     for size, flops, build in cases:
         baseline = None
-        for provider in providers(device):
+        for provider in providers(device, rowwise=True):
             first, median, note = run_provider(provider, build, device, args)
             if provider.name == "inductor":
                 baseline = median

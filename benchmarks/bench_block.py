@@ -1,4 +1,5 @@
-"""A GPT training step (forward + backward + AdamW): te (each supported recipe) vs inductor vs torchao.
+"""A GPT training step (forward + backward + AdamW): te (each supported recipe) vs inductor vs torchao
+float8 (tensorwise and rowwise, when torchao is installed: ``pip install -e '.[bench]'``).
 
     python benchmarks/bench_block.py                           # CPU: small models, fp32 baseline
     python benchmarks/bench_block.py --device cuda             # CUDA: width 1024/2048, bf16 baseline
@@ -8,6 +9,7 @@ Sizes are BxTxC: batch B, sequence T (= block_size), width C of te_compile.model
 blocks, max(4, C // 128) heads and the byte vocabulary (256). The model is compiled; the AdamW step
 runs eagerly and is the same for every provider. FLOPs per step use nanoGPT's estimate:
 6 * (linear weights) * tokens + 12 * layers * T * C * tokens (attention, not halved for causality).
+Every provider gets a deep copy of one model instance and the same batch.
 """
 
 from __future__ import annotations
@@ -37,13 +39,15 @@ def _flops(b: int, t: int, c: int, layers: int, dtype: torch.dtype) -> float:
 
 
 def _builder(b: int, t: int, c: int, layers: int, device: torch.device, dtype: torch.dtype):
+    base = _model(t, c, layers, device, dtype)
+    gen = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 256, (b, t + 1), generator=gen).to(device)
+    x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
+
     def build(prepare):
-        model = _model(t, c, layers, device, dtype)
+        model = _common.fresh_copy(base)
         fn = prepare(model)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-        gen = torch.Generator().manual_seed(0)
-        idx = torch.randint(0, 256, (b, t + 1), generator=gen).to(device)
-        x, y = idx[:, :-1].contiguous(), idx[:, 1:].contiguous()
 
         def step():
             _, loss = fn(x, y)

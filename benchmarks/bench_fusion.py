@@ -1,5 +1,6 @@
 """What norm / activation fusion must improve, measured on one GPT training step (fwd + bwd):
-generated kernels, FP8 casts in the forward, and bytes saved for backward; te recipes vs inductor.
+generated kernels, FP8 casts in the forward, and bytes saved for backward; te recipes vs inductor vs
+torchao float8 (tensorwise and rowwise, + inductor, when torchao is installed: ``pip install -e '.[bench]'``).
 
     python benchmarks/bench_fusion.py                      # CPU: 8x64x128, 1 block
     python benchmarks/bench_fusion.py --size 8x128x256 --layers 2 --device cuda
@@ -19,7 +20,10 @@ generated kernels, FP8 casts in the forward, and bytes saved for backward; te re
   quantized once);
 - saved bytes: the distinct storages the compiled forward hands to autograd for the backward
   (``saved_tensors_hooks``, parameters excluded), and their ratio to the high-precision run.
-No timing: a benchmark of structure, stable across machines and runs.
+No timing: a benchmark of structure, stable across machines and runs. Every row compiles a deep copy of
+one model instance on the same batch; the torchao rows are the same measures of a
+``convert_to_float8_training`` copy compiled by inductor (``emulate=True`` off CUDA: its GEMMs are fp32
+matmuls of the dequantized FP8 values, which change launches but not casts or saved bytes).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import re
 import torch
 from tabulate import tabulate
 
+import _common
 import te_compile
 from te_compile.cli import _saved_for_backward_bytes as saved_bytes   # the demo's measure
 from te_compile.models import GPT
@@ -132,6 +137,7 @@ class _GeneratedCode:
 
 
 def _measure(provider: str, model, x, y, variant: str = "") -> dict:
+    """provider: "inductor", a te recipe (with a VARIANTS key) or "torchao <recipe>"."""
     from torch._inductor import metrics
 
     torch._dynamo.reset()
@@ -139,10 +145,14 @@ def _measure(provider: str, model, x, y, variant: str = "") -> dict:
     with _ForwardGraphs() as forwards, _GeneratedCode() as code:
         if provider == "inductor":
             compiled = torch.compile(model, backend=forwards.compile_fx)
+        elif provider.startswith("torchao "):
+            recipe = provider.split()[1]
+            compiled = torch.compile(_common.torchao_convert(model, recipe, x.device), backend=forwards.compile_fx)
         else:
             compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, **VARIANTS[variant]))
         saved = saved_bytes(compiled, x, y)
-    name = provider if provider == "inductor" else f"te {provider}{variant}"
+    name = (provider if provider == "inductor" else
+            f"torchao float8 {provider.split()[1]}" if provider.startswith("torchao ") else f"te {provider}{variant}")
     return {"provider": name,
             "kernels": metrics.generated_kernel_count, "distinct": code.defined(), "launches": code.launches(),
             "fp8 casts (fwd)": sum(_fp8_casts(g) for g in forwards.graphs), "saved bytes": saved}
@@ -166,19 +176,24 @@ def main() -> None:
     runs = ([("inductor", "")] + [(r, "") for r in RECIPES] + [(r, ", norms unfused") for r in RECIPES[:2]]
             + [(RECIPES[0], ", FP8 attention"), (RECIPES[0], ", FP8 attention, fp8_mha"),
                (RECIPES[1], ", FP8 attention, fp8_mha")])
+    torchao = [f"torchao {r}" for r in _common.TORCHAO_RECIPES]
+    if _common.torchao_available():
+        runs += [(p, "") for p in torchao]
+    base_model = _model(t, c, args.layers, device)
     for provider, variant in runs:
-        row = _measure(provider, _model(t, c, args.layers, device), x, y, variant)
+        row = _measure(provider, _common.fresh_copy(base_model), x, y, variant)
         rows.append(row)
         print(f"{row['provider']}: done", flush=True)
     base = rows[0]
     table = [(r["provider"], r["kernels"], f"{r['kernels'] / base['kernels']:.2f}x", r["distinct"],
               f"{r['distinct'] / base['distinct']:.2f}x", r["launches"],
               f"{r['launches'] / base['launches']:.2f}x", r["fp8 casts (fwd)"],
-              f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x") for r in rows]
+              f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x", "") for r in rows]
+    if not _common.torchao_available():
+        table += [(f"torchao float8 {p.split()[1]}", *["n/a"] * 9, _common.TORCHAO_MISSING) for p in torchao]
     print(f"\nGPT {args.layers} block(s), {args.size} on {device.type}, torch {torch.__version__}")
     headers = ["provider", "kernels", "vs inductor", "distinct", "vs inductor", "launches", "vs inductor",
-               "fp8 casts (fwd)", "saved MiB",
-               "saved vs inductor"]
+               "fp8 casts (fwd)", "saved MiB", "saved vs inductor", "note"]
     print(tabulate(table, headers=headers, disable_numparse=True))
 
 

@@ -1,4 +1,5 @@
-"""Forward + backward of one nn.Linear: te (each supported recipe) vs inductor vs torchao float8.
+"""Forward + backward of one nn.Linear: te (each supported recipe) vs inductor vs torchao float8
+(tensorwise and rowwise, when torchao is installed: ``pip install -e '.[bench]'``).
 
     python benchmarks/bench_linear.py                          # CPU: small sizes, fp32 baseline
     python benchmarks/bench_linear.py --device cuda            # CUDA: 4096..16384, bf16 baseline
@@ -6,7 +7,8 @@
 
 Sizes are MxKxN: x [M, K] @ w.T with w [N, K]. One step is y = linear(x); y.backward(dy), i.e.
 fprop, dgrad and wgrad GEMMs: 6*M*K*N FLOPs. Bias-free, so the GEMMs (and the te quantization
-around them) are all that is timed.
+around them) are all that is timed. Every provider gets a deep copy of one linear and the same x, dy.
+How te's FP8 operands compare with torchao's, bit for bit: benchmarks/compare_torchao.py.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ CUDA_SIZES = "4096x4096x4096,8192x8192x8192,16384x8192x16384"
 
 
 def _builder(m: int, k: int, n: int, device: torch.device, dtype: torch.dtype):
+    torch.manual_seed(0)
+    base = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+    x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(m, n, device=device, dtype=dtype)
+
     def build(prepare):
-        torch.manual_seed(0)
-        linear = torch.nn.Linear(k, n, bias=False, device=device, dtype=dtype)
+        linear = _common.fresh_copy(base)
         fn = prepare(linear)
-        x = torch.randn(m, k, device=device, dtype=dtype, requires_grad=True)
-        dy = torch.randn(m, n, device=device, dtype=dtype)
 
         def step():
             fn(x).backward(dy)
