@@ -275,6 +275,14 @@ if HAS_TRITON:
         tl.store(data_t_ptr + cols[None, :] * M + rows[:, None], q, mask=mask)
 
     @triton.jit
+    def _tile_columns(k0, K, rmask, BLOCK_K: tl.constexpr):
+        """The columns [k0, k0 + BLOCK_K) of a tile: (cols, cmask [BLOCK_K], mask [rows, BLOCK_K]). It
+        takes no pointer, so the stores through its indices are not read as writes to the inputs."""
+        cols = k0 + tl.arange(0, BLOCK_K)
+        cmask = cols < K
+        return cols, cmask, rmask[:, None] & cmask[None, :]
+
+    @triton.jit
     def _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd, stride_dym, stride_xm,
                        IS_LN: tl.constexpr, HAS_W: tl.constexpr, ZERO_CENTERED: tl.constexpr):
         """One [rows, cols] tile of the backward: (dy, xhat, dxhat), fp32; dxhat = dy * w (or
@@ -313,9 +321,7 @@ if HAS_TRITON:
         s_dxhat = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         s_proj = tl.zeros((BLOCK_M, BLOCK_K), tl.float32)
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            mask = rmask[:, None] & cmask[None, :]
+            cols, cmask, mask = _tile_columns(k0, K, rmask, BLOCK_K)
             dy, xhat, dxhat = _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd,
                                              stride_dym, stride_xm, IS_LN, HAS_W, ZERO_CENTERED)
             s_dxhat += dxhat
@@ -324,9 +330,7 @@ if HAS_TRITON:
         c_proj = tl.sum(s_proj, axis=1) / K
         # pass 2: dx, and this program's share of dw, db
         for k0 in range(0, K, BLOCK_K):
-            cols = k0 + tl.arange(0, BLOCK_K)
-            cmask = cols < K
-            mask = rmask[:, None] & cmask[None, :]
+            cols, cmask, mask = _tile_columns(k0, K, rmask, BLOCK_K)
             dy, xhat, dxhat = _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd,
                                              stride_dym, stride_xm, IS_LN, HAS_W, ZERO_CENTERED)
             if HAS_W:
