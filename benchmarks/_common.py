@@ -10,9 +10,10 @@ A provider turns a plain ``nn.Module`` into the callable that is timed:
   (``pip install -e '.[bench]'``). Tensorwise (torchao's default: per-tensor dynamic scales, E4M3
   forward, E5M2 grad_output) is the peer of te's per-tensor recipes; rowwise (per-row power-of-two
   scales, E4M3 everywhere) the closest peer of te's block recipes. On CUDA torchao runs its own FP8
-  GEMMs; elsewhere ``emulate=True``, its fp32 matmul of the dequantized FP8 values, which is what
-  te's CPU rows run too (torch 2.13 also has a CPU ``torch._scaled_mm``, which torchao's non-emulated
-  path would call: like te, we do not time that scalar-upcast path on CPU).
+  GEMMs; elsewhere ``emulate=True``, its fp32 matmul of the dequantized FP8 values, the counterpart
+  of te's CPU GEMMs (fp32 matmuls of the FP8 values). torchao's non-emulated path also runs on a CPU,
+  through torch 2.13's CPU ``torch._scaled_mm`` and its scalar upcasts, which te avoids; it is not
+  measured.
 
 Every provider of a case gets a deep copy of one model instance and the same data.
 """

@@ -23,7 +23,7 @@ torchao float8 (tensorwise and rowwise, + inductor, when torchao is installed: `
 No timing: a benchmark of structure, stable across machines and runs. Every row compiles a deep copy of
 one model instance on the same batch; the torchao rows are the same measures of a
 ``convert_to_float8_training`` copy compiled by inductor (``emulate=True`` off CUDA: its GEMMs are fp32
-matmuls of the dequantized FP8 values, which change launches but not casts or saved bytes).
+matmuls of the dequantized FP8 values, as te's are fp32 matmuls of the FP8 values there).
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def main() -> None:
             + [(RECIPES[0], ", FP8 attention"), (RECIPES[0], ", FP8 attention, fp8_mha"),
                (RECIPES[1], ", FP8 attention, fp8_mha")])
     torchao = [f"torchao {r}" for r in _common.TORCHAO_RECIPES]
-    if _common.torchao_available():
+    have_torchao = _common.torchao_available()
+    if have_torchao:
         runs += [(p, "") for p in torchao]
     base_model = _model(t, c, args.layers, device)
     for provider, variant in runs:
@@ -189,7 +190,7 @@ def main() -> None:
               f"{r['distinct'] / base['distinct']:.2f}x", r["launches"],
               f"{r['launches'] / base['launches']:.2f}x", r["fp8 casts (fwd)"],
               f"{r['saved bytes'] / 2**20:.2f}", f"{r['saved bytes'] / base['saved bytes']:.2f}x", "") for r in rows]
-    if not _common.torchao_available():
+    if not have_torchao:
         table += [(f"torchao float8 {p.split()[1]}", *["n/a"] * 9, _common.TORCHAO_MISSING) for p in torchao]
     print(f"\nGPT {args.layers} block(s), {args.size} on {device.type}, torch {torch.__version__}")
     headers = ["provider", "kernels", "vs inductor", "distinct", "vs inductor", "launches", "vs inductor",

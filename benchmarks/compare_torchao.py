@@ -39,9 +39,6 @@ import _common
 from te_compile.quantization import current_scale, quantize_per_tensor
 from te_compile.recipe import Float8CurrentScaling
 
-# torchao's GemmInputRole value -> te's role name
-_ROLES = {"input": "input", "weight": "weight", "grad_output": "grad_output"}
-
 
 def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
     """20 * log10(|ref| / |ref - x|) in dB (inf when equal)."""
@@ -54,19 +51,20 @@ def _torchao_operands(linear: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor
     and backward of ``linear`` converted to torchao's Float8Linear (tensorwise, emulated GEMMs)."""
     import torchao.float8.float8_linear as f8l
 
-    model = _common.torchao_convert(torch.nn.Sequential(_common.fresh_copy(linear)), "tensorwise", torch.device("cpu"))
-    casts, original, phase = [], f8l.hp_tensor_to_float8_dynamic, ["fwd"]
+    model = torch.nn.Sequential(_common.fresh_copy(linear))
+    model = _common.torchao_convert(model, "tensorwise", torch.device("cpu"))
+    casts, original, phase = [], f8l.hp_tensor_to_float8_dynamic, "fwd"
 
     def recording(hp_tensor, float8_dtype, linear_mm_config, **kwargs):
         out = original(hp_tensor, float8_dtype, linear_mm_config, **kwargs)
-        casts.append((phase[0], kwargs["gemm_input_role"].value, hp_tensor.detach().clone(), out))
+        casts.append((phase, kwargs["gemm_input_role"].value, hp_tensor.detach().clone(), out))
         return out
 
     f8l.hp_tensor_to_float8_dynamic = recording
     try:
         xg = x.clone().requires_grad_(True)
         y = model(xg)
-        phase[0] = "bwd"
+        phase = "bwd"
         y.backward(dy)
     finally:
         f8l.hp_tensor_to_float8_dynamic = original
@@ -86,25 +84,28 @@ def _te_outputs(linear: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor):
     return y.detach(), xg.grad, model.weight.grad
 
 
-def operand_rows(casts, recipe: Float8CurrentScaling) -> list[tuple]:
+def _operand_rows(casts, recipe: Float8CurrentScaling) -> list[tuple]:
+    """One row per torchao cast: te's quantize_per_tensor of the same tensor against it."""
     rows = []
-    for phase, role, hp, ao in casts:
-        data, scale_inv, amax = quantize_per_tensor(hp, _ROLES[role], recipe)
-        scale = current_scale(amax, _ROLES[role], recipe)
+    for phase, role, hp, ao in casts:   # torchao's GemmInputRole values are te's role names
+        data, scale_inv, amax = quantize_per_tensor(hp, role, recipe)
+        scale = current_scale(amax, role, recipe)
         ao_scale = ao._scale.reshape(1).to(torch.float32)
         ao_scale_inv = torch.div(torch.ones_like(ao_scale), ao_scale)
-        same_dtype = data.dtype == ao._data.dtype
-        differing = (data.view(torch.uint8) != ao._data.view(torch.uint8)).sum().item() if same_dtype else None
+        if data.dtype != ao._data.dtype:
+            same_data = "no (dtypes differ)"
+        else:
+            differing = (data.view(torch.uint8) != ao._data.view(torch.uint8)).sum().item()
+            same_data = "yes" if differing == 0 else f"no ({differing} of {data.numel()} differ)"
         rows.append((phase, role, str(data.dtype).replace("torch.float8_", ""),
-                     str(ao._data.dtype).replace("torch.float8_", ""),
-                     "yes" if differing == 0 else f"no ({differing} of {data.numel()} differ)",
+                     str(ao._data.dtype).replace("torch.float8_", ""), same_data,
                      "yes" if torch.equal(scale, ao_scale) else f"no ({scale.item():.9g} vs {ao_scale.item():.9g})",
                      "yes" if torch.equal(scale_inv, ao_scale_inv) else
                      f"no ({scale_inv.item():.9g} vs {ao_scale_inv.item():.9g})"))
     return rows
 
 
-def scale_sweep(recipe: Float8CurrentScaling, n: int = 200_000) -> list[tuple]:
+def _scale_sweep(recipe: Float8CurrentScaling, n: int = 200_000) -> list[tuple]:
     """te's current_scale vs torchao's amax_to_scale over log-uniform amaxes, per FP8 dtype."""
     from torchao.float8.float8_utils import amax_to_scale
 
@@ -120,7 +121,7 @@ def scale_sweep(recipe: Float8CurrentScaling, n: int = 200_000) -> list[tuple]:
     return rows
 
 
-def edge_rows(recipe: Float8CurrentScaling) -> list[tuple]:
+def _edge_rows(recipe: Float8CurrentScaling) -> list[tuple]:
     from torchao.float8.config import e4m3_dtype
     from torchao.float8.float8_training_tensor import LinearMMConfig
     from torchao.float8.float8_scaling_utils import hp_tensor_to_float8_dynamic
@@ -162,16 +163,16 @@ def main() -> None:
     print(f"compare_torchao: te Float8CurrentScaling vs torchao float8 tensorwise, linear {m}x{k}x{n} "
           f"(MxKxN), {args.dtype}, seed {args.seed}, torch {torch.__version__}\n")
     print("FP8 operands of one forward + backward (torchao's casts, te's quantize_per_tensor of the same tensor):")
-    print(tabulate(operand_rows(casts, recipe), headers=["phase", "operand", "te dtype", "torchao dtype",
+    print(tabulate(_operand_rows(casts, recipe), headers=["phase", "operand", "te dtype", "torchao dtype",
                                                          "data equal", "scale equal", "scale_inv equal"],
                    disable_numparse=True))
 
     print("\nScale from amax, te (fp32 division) vs torchao (fp64 division of the amax clamped to >= 1e-12):")
-    print(tabulate(scale_sweep(recipe), headers=["dtype", "amaxes", ">= 1e-12", "differ", "< 1e-12", "differ"],
+    print(tabulate(_scale_sweep(recipe), headers=["dtype", "amaxes", ">= 1e-12", "differ", "< 1e-12", "differ"],
                    disable_numparse=True))
 
     print("\nEdge tensors (input role, E4M3):")
-    print(tabulate(edge_rows(recipe), headers=["tensor", "amax", "te scale", "torchao scale", "te max |fp8|",
+    print(tabulate(_edge_rows(recipe), headers=["tensor", "amax", "te scale", "torchao scale", "te max |fp8|",
                                                "torchao max |fp8|", "data equal"], disable_numparse=True))
 
     te_y, te_dx, te_dw = _te_outputs(linear, x, dy)
@@ -183,9 +184,11 @@ def main() -> None:
     for name, r, te, ao in (("y", ref_y.detach(), te_y, ao_y), ("dx", xr.grad, te_dx, ao_dx),
                             ("dw", ref.weight.grad, te_dw, ao_dw)):
         te, ao = te.float(), ao.float()
-        out.append((name, f"{_sqnr(r, te):.2f}", f"{_sqnr(r, ao):.2f}",
-                    "yes" if torch.equal(te, ao) else f"no, {_sqnr(ao, te):.1f} dB, max |diff| {(te - ao).abs().max().item():.3g}"))
-    print("\nGEMM outputs (te: backend='te', compiled; torchao: Float8Linear, eager, emulate=True), SQNR vs fp32 in dB:")
+        same = "yes" if torch.equal(te, ao) else \
+            f"no, {_sqnr(ao, te):.1f} dB, max |diff| {(te - ao).abs().max().item():.3g}"
+        out.append((name, f"{_sqnr(r, te):.2f}", f"{_sqnr(r, ao):.2f}", same))
+    print("\nGEMM outputs (te: backend='te', compiled; torchao: Float8Linear, eager, emulate=True), "
+          "SQNR vs fp32 in dB:")
     print(tabulate(out, headers=["output", "te", "torchao", "te == torchao"], disable_numparse=True))
 
 

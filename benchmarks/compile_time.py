@@ -182,8 +182,8 @@ def main() -> None:
                 cold = _run_child(provider, cache, args)
                 print(f" {cold['first_step_s']:.1f} s; warm ...", end="", flush=True)
                 warm = _run_child(provider, cache, args)
-                print(f" {warm['first_step_s']:.1f} s; {statistics.median((cold['tokens_per_s'], warm['tokens_per_s'])):,.0f} "
-                      f"tokens/s", flush=True)
+                steady = statistics.median((cold["tokens_per_s"], warm["tokens_per_s"]))
+                print(f" {warm['first_step_s']:.1f} s; {steady:,.0f} tokens/s", flush=True)
                 results.setdefault(label, []).append((cold, warm))
 
     def values(label, i):
@@ -209,8 +209,8 @@ def main() -> None:
         model, batch = _model(args.model)
     what = "medians of {} rounds, ".format(args.repeat) if args.repeat > 1 else ""
     print(f"\nfirst training step (compile included) and steady tokens/s ({args.steps} steps), model "
-          f"'{args.model}' ({len(model.blocks)} layers x {model.tok_emb.embedding_dim}, batch {batch} x {model.block_size}), "
-          f"{args.device}, {what}"
+          f"'{args.model}' ({len(model.blocks)} layers x {model.tok_emb.embedding_dim}, "
+          f"batch {batch} x {model.block_size}), {args.device}, {what}"
           f"torch {torch.__version__}, {os.cpu_count()} CPUs")
     print(tabulate(rows, headers=["provider", "cold s", "vs inductor", "warm s", "vs inductor", "tokens/s",
                                   "vs inductor", "warm AOTAutograd cache", "import s", "note"],
