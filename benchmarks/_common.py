@@ -21,6 +21,7 @@ Every provider of a case gets a deep copy of one model instance and the same dat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import datetime
@@ -319,3 +320,29 @@ def finish(rows: list[Row], bench: str, device: torch.device, args: argparse.Nam
     print_table(rows)
     if args.json:
         write_json(args.json, bench, device, args, rows)
+
+
+@contextlib.contextmanager
+def wrapping_inductor_inner(wrap: Callable[[Callable], Callable]):
+    """While active, every inductor compile (``compile_fx``, which the te backend imports at call
+    time) runs its AOT graphs through ``wrap(inner_compile)`` instead of ``inner_compile``.
+
+    compile_fx calls itself when given config patches, with its inner compiler already wrapped: a
+    mark on the wrapper (functools.wraps in compile_fx copies it) keeps a graph going through
+    ``wrap`` once."""
+    import torch._inductor.compile_fx as cfx
+
+    original = cfx.compile_fx
+
+    def compile_fx(gm, example_inputs, inner_compile=None, **kwargs):
+        inner = inner_compile or cfx.compile_fx_inner
+        if not getattr(inner, "_bench_wrapped", False):
+            inner = wrap(inner)
+            inner._bench_wrapped = True
+        return original(gm, example_inputs, inner_compile=inner, **kwargs)
+
+    cfx.compile_fx = compile_fx
+    try:
+        yield
+    finally:
+        cfx.compile_fx = original

@@ -65,37 +65,19 @@ def _fp8_casts(gm: torch.fx.GraphModule) -> int:
 
 
 class _ForwardGraphs:
-    """While active, every inductor compile (``compile_fx``, which the te backend imports at call time)
-    records the AOT forward graphs it receives."""
+    """The AOT forward graphs inductor receives while ``recording()`` is active."""
 
     def __init__(self) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
 
-    def compile_fx(self, gm, example_inputs, inner_compile=None, **kwargs):
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        inner = inner_compile or compile_fx_inner
-
-        # compile_fx calls itself (through this patch) when given config patches, with its inner
-        # compiler wrapped: a graph can pass twice, and is recorded once
-        def recording(g, ex, **kw):
-            if not kw.get("is_backward", False) and not any(r is g for r in self.graphs):
-                self.graphs.append(g)
-            return inner(g, ex, **kw)
-
-        return self._original(gm, example_inputs, inner_compile=recording, **kwargs)
-
-    def __enter__(self):
-        import torch._inductor.compile_fx as cfx
-
-        self._original = cfx.compile_fx
-        cfx.compile_fx = self.compile_fx
-        return self
-
-    def __exit__(self, *exc):
-        import torch._inductor.compile_fx as cfx
-
-        cfx.compile_fx = self._original
+    def recording(self):
+        def wrap(inner):
+            def record(gm, example_inputs, **kwargs):
+                if not kwargs.get("is_backward", False):
+                    self.graphs.append(gm)
+                return inner(gm, example_inputs, **kwargs)
+            return record
+        return _common.wrapping_inductor_inner(wrap)
 
 
 _DEFINED = re.compile(r"^\w+ = async_compile\.\w+\(", re.MULTILINE)
@@ -142,12 +124,14 @@ def _measure(provider: str, model, x, y, variant: str = "") -> dict:
 
     torch._dynamo.reset()
     metrics.reset()
-    with _ForwardGraphs() as forwards, _GeneratedCode() as code:
+    forwards = _ForwardGraphs()
+    # "inductor" resolves compile_fx at call time, as the te backend does: both meet the patch
+    with forwards.recording(), _GeneratedCode() as code:
         if provider == "inductor":
-            compiled = torch.compile(model, backend=forwards.compile_fx)
+            compiled = torch.compile(model, backend="inductor")
         elif provider.startswith("torchao "):
             recipe = provider.split()[1]
-            compiled = torch.compile(_common.torchao_convert(model, recipe, x.device), backend=forwards.compile_fx)
+            compiled = torch.compile(_common.torchao_convert(model, recipe, x.device), backend="inductor")
         else:
             compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, **VARIANTS[variant]))
         saved = saved_bytes(compiled, x, y)

@@ -98,6 +98,8 @@ from torch.utils._pytree import tree_map
 import te_compile
 from te_compile.models import Block
 
+from _common import wrapping_inductor_inner
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GOALS = {"vs inductor": 1.35, "vs torchao": 1.1}
 DEFAULT_SIZE = "8x2048x4096"
@@ -558,7 +560,8 @@ def _kernels(scheduler, graph: str) -> list[Kernel]:
 
 
 class _Capture:
-    """While active, every inductor compile is scheduled for an H100 and recorded, not compiled."""
+    """While ``scheduling()`` is active, every inductor compile is scheduled for an H100 and
+    recorded, not compiled."""
 
     def __init__(self) -> None:
         self.kernels: list[Kernel] = []
@@ -577,30 +580,10 @@ class _Capture:
             self.kernels += scheduled
             return _fake_outputs(gm, detect_fake_mode(example_inputs))
 
-        project._projecting = True
         return project
 
-    def compile_fx(self, gm, example_inputs, inner_compile=None, **kwargs):
-        from torch._inductor.compile_fx import compile_fx_inner
-
-        inner = inner_compile or compile_fx_inner
-        # compile_fx calls itself (through this patch) with its inner compiler wrapped in config
-        # patches; functools.wraps keeps the mark, so a graph is scheduled once
-        if not getattr(inner, "_projecting", False):
-            inner = self._inner(inner)
-        return self._original(gm, example_inputs, inner_compile=inner, **kwargs)
-
-    def __enter__(self):
-        import torch._inductor.compile_fx as cfx
-
-        self._original = cfx.compile_fx
-        cfx.compile_fx = self.compile_fx
-        return self
-
-    def __exit__(self, *exc):
-        import torch._inductor.compile_fx as cfx
-
-        cfx.compile_fx = self._original
+    def scheduling(self):
+        return wrapping_inductor_inner(self._inner)
 
 
 def _fake_block(mode: FakeTensorMode, c: int, heads: int) -> Block:
@@ -629,7 +612,7 @@ def project_provider(provider: BlockProvider, b: int, t: int, c: int, heads: int
         dy = torch.empty(b, t, c, dtype=torch.bfloat16)
     # every graph must reach the scheduler (no cache hits); one compile thread: no worker pool
     with inductor_config.patch(fx_graph_cache=False, compile_threads=1), \
-            functorch_config.patch(enable_autograd_cache=False), _gpu_trace(), _Capture() as capture:
+            functorch_config.patch(enable_autograd_cache=False), _gpu_trace(), (capture := _Capture()).scheduling():
         compiled = provider.compile(block, emulate=False)
         with mode:
             compiled(x).backward(dy)
