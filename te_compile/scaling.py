@@ -8,6 +8,7 @@ values) so that inductor can fuse them into neighbouring kernels and no host syn
 
 from __future__ import annotations
 
+import math
 from typing import Callable, Optional, Union
 
 import torch
@@ -49,22 +50,27 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _scale_from_amax(amax: torch.Tensor, limit: float, margin: int) -> torch.Tensor:
-    """limit / amax / 2**margin in fp32, an infinite result replaced by FLT_MAX."""
+    """limit / amax / 2**margin in fp32, an infinite result replaced by FLT_MAX (for amax > 0)."""
     # True IEEE division: a Python scalar over a tensor becomes reciprocal-then-multiply in torch,
     # which is one ulp off in about a quarter of cases (DESIGN.md §6).
     scale = torch.div(torch.full_like(amax, limit), amax)
     if margin:
         scale = scale / float(2**margin)
-    return torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    # One clamp rather than isinf + select: these ops are inlined into every quantize kernel, and
+    # their count is a good part of te's extra compile time. NaN passes; callers replace it.
+    return torch.clamp(scale, max=FLT_MAX)
+
+
+def _valid_amax(amax: torch.Tensor) -> torch.Tensor:
+    """0 < amax < inf (False for NaN): the amaxes a scale is computed from."""
+    return (amax > 0) & (amax < math.inf)
 
 
 def scale_for_limit(amax: torch.Tensor, limit: float, *, margin: int = 0) -> torch.Tensor:
     """limit / amax / 2**margin (fp32, true division): the scale that maps ``amax`` onto ``limit``.
-    An amax of 0, inf or NaN gives 1; an infinite scale (amax tiny) becomes FLT_MAX. Shared by the
+    An amax of 0, inf or NaN gives 1 (so does a negative one: an amax is a magnitude); an infinite scale (amax tiny) becomes FLT_MAX. Shared by the
     per-tensor and per-block FP8 scales and NVFP4's tensor scale (limit 448 * 6)."""
-    scale = _scale_from_amax(amax, limit, margin)
-    bad_amax = (amax == 0) | ~torch.isfinite(amax)
-    return torch.where(bad_amax, torch.ones_like(scale), scale)
+    return torch.where(_valid_amax(amax), _scale_from_amax(amax, limit, margin), 1.0)
 
 
 def compute_scale(
@@ -140,6 +146,5 @@ def delayed_scale_from_history(
         )
     if scaling_factor_compute_algo is not None:
         return scaling_factor_compute_algo(amax, prev_scale, fp8_max(fp8_dtype), recipe).reshape(1)
-    scale = _scale_from_amax(amax, fp8_max(fp8_dtype), margin)
-    keep = (amax <= 0) | ~torch.isfinite(amax)
-    return torch.where(keep, prev_scale.to(torch.float32), scale)
+    return torch.where(_valid_amax(amax), _scale_from_amax(amax, fp8_max(fp8_dtype), margin),
+                       prev_scale.to(torch.float32))

@@ -122,10 +122,12 @@ def fp8_gemm(
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
     too, so callers must produce them; eager would accept any layout and hide the mistake.
     """
+    if not uses_native_fp8_gemm(a.device) or (a.device.type == "cpu" and cpu_emulates_scaled_mm()):
+        # the [1] scales broadcast as they are: no reshape nodes (3 GEMMs a site, each node is
+        # traced, partitioned and lowered at every compile)
+        return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU
     sa = a_scale_inv.reshape(())
     sb = b_scale_inv.reshape(())
-    if not uses_native_fp8_gemm(a.device) or (a.device.type == "cpu" and cpu_emulates_scaled_mm()):
-        return _emulated(a, b, sa, sb, out_dtype)   # the module docstring says why on CPU
     a, b = _canonical_strides(a), _canonical_strides(b.t()).t()
     if a.device.type == "cuda":
         # Zero rows/columns along K change nothing; pad K (e.g. the token count in wgrad) to 16.
