@@ -68,8 +68,9 @@ def _valid_amax(amax: torch.Tensor) -> torch.Tensor:
 
 def scale_for_limit(amax: torch.Tensor, limit: float, *, margin: int = 0) -> torch.Tensor:
     """limit / amax / 2**margin (fp32, true division): the scale that maps ``amax`` onto ``limit``.
-    An amax of 0, inf or NaN gives 1 (so does a negative one: an amax is a magnitude); an infinite scale (amax tiny) becomes FLT_MAX. Shared by the
-    per-tensor and per-block FP8 scales and NVFP4's tensor scale (limit 448 * 6)."""
+    An amax of 0, inf or NaN gives 1 (so does a negative one: an amax is a magnitude); an infinite
+    scale (amax tiny) becomes FLT_MAX. Shared by the per-tensor and per-block FP8 scales and NVFP4's
+    tensor scale (limit 448 * 6)."""
     return torch.where(_valid_amax(amax), _scale_from_amax(amax, limit, margin), 1.0)
 
 

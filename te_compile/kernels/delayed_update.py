@@ -83,7 +83,7 @@ def delayed_update_reference(histories: Sequence[torch.Tensor], scales: Sequence
     # scaling._scale_from_amax's operations, row-wise: true divisions (torch.div of two tensors)
     scale = torch.div(torch.tensor(list(limits), dtype=torch.float32, device=device), window)
     scale = torch.div(scale, torch.tensor(list(divisors), dtype=torch.float32, device=device))
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    scale = torch.clamp(scale, max=FLT_MAX)
     prev = torch.cat([sc.reshape(1) for sc in scales])
     scale = torch.where((window <= 0) | ~torch.isfinite(window), prev, scale)
     scale = torch.where(finite, scale, prev)
