@@ -193,6 +193,14 @@ def test_compute_scale_epsilon(amax, eps):
                          f"amax {amax!r} eps {eps!r}")
 
 
+@pytest.mark.parametrize("amax", [-2.0, -1e-40, -math.inf], ids=repr)
+def test_compute_scale_negative_amax_gives_one(amax):
+    # an amax is a magnitude: a negative one is as unusable as NaN, whatever the recipe
+    assert compute_scale(_amax32(amax), E4M3).item() == 1.0
+    history = torch.tensor([amax, amax, amax])
+    assert delayed_scale_from_history(history, torch.tensor([7.0]), E4M3).item() == 7.0
+
+
 @pytest.mark.parametrize("margin", [1, 3])
 def test_compute_scale_margin(margin):
     got = compute_scale(_amax32(4.9725661277771), E5M2, margin=margin)
