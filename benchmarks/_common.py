@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import dataclasses
 import datetime
 import json
 import os
@@ -38,6 +37,7 @@ import torch
 from tabulate import tabulate
 
 import te_compile
+from te_compile.cli import _torchao_float8   # the demo's peer conversion, shared with every torchao row
 
 # Dense tensor-core peaks of an H100 SXM (NVIDIA datasheet, without sparsity), in TFLOP/s.
 H100_SXM_BF16_TFLOPS = 989.0
@@ -73,28 +73,14 @@ def torchao_available() -> bool:
     return True
 
 
-def torchao_config(recipe: str, device: torch.device):
-    """torchao's ``Float8LinearConfig`` for ``recipe`` (tensorwise, rowwise) on ``device``: its own FP8
-    GEMMs on CUDA, ``emulate=True`` elsewhere. Raises ImportError without torchao."""
-    from torchao.float8 import Float8LinearConfig
-
-    if recipe not in TORCHAO_RECIPES:
-        raise ValueError(f"torchao recipe must be one of {TORCHAO_RECIPES}, got {recipe!r}")
-    config = Float8LinearConfig.from_recipe_name(recipe)
-    return config if torch.device(device).type == "cuda" else dataclasses.replace(config, emulate=True)
-
-
 def torchao_convert(model: torch.nn.Module, recipe: str, device: torch.device) -> torch.nn.Module:
     """``model`` with its linears swapped for torchao's Float8Linear, in place (what a torchao user
-    writes before ``torch.compile``). Linears whose dims are not multiples of 16 stay as they are,
-    as torchao requires; te leaves the same ones in high precision."""
-    from torchao.float8 import convert_to_float8_training
-
-    def eligible(module: torch.nn.Module, fqn: str) -> bool:
-        return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
-                and module.out_features % 16 == 0)
-
-    return convert_to_float8_training(model, config=torchao_config(recipe, device), module_filter_fn=eligible)
+    writes before ``torch.compile``): the demo's peer conversion (linears whose dims are not multiples
+    of 16 stay as they are), with torchao's own FP8 GEMMs on CUDA and ``emulate=True`` elsewhere.
+    Raises ImportError without torchao."""
+    if recipe not in TORCHAO_RECIPES:
+        raise ValueError(f"torchao recipe must be one of {TORCHAO_RECIPES}, got {recipe!r}")
+    return _torchao_float8(model, emulate=torch.device(device).type != "cuda", recipe=recipe)
 
 
 def torchao_note(recipe: str, device: torch.device) -> str:

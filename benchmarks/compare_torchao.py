@@ -29,21 +29,15 @@ Needs torchao (``pip install -e '.[bench]'``). Not timed.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import torch
 from tabulate import tabulate
 
 import _common
+from te_compile.gemm.block_probe import _sqnr_db as _sqnr   # 20 log10(|ref| / |ref - x|), inf when equal
 from te_compile.quantization import current_scale, quantize_per_tensor
 from te_compile.recipe import Float8CurrentScaling
-
-
-def _sqnr(ref: torch.Tensor, x: torch.Tensor) -> float:
-    """20 * log10(|ref| / |ref - x|) in dB (inf when equal)."""
-    err = (ref.double() - x.double()).norm()
-    return math.inf if err == 0 else 20 * math.log10(ref.double().norm() / err)
 
 
 def _torchao_operands(linear: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor):

@@ -90,6 +90,7 @@ from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_compile
+from te_compile.cli import _torchao_float8   # the demo's peer conversion
 from te_compile.models import Block
 
 from _h100_schedule import Capture, Kernel, gpu_trace
@@ -154,9 +155,7 @@ class BlockProvider:
 
 
 def _torchao(module: nn.Module, emulate: bool) -> None:
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    convert_to_float8_training(module, config=Float8LinearConfig(emulate=emulate))
+    _torchao_float8(module, emulate)   # tensorwise, the demo's peer conversion
 
 
 def _te(recipe: str, **options) -> Callable[[], Callable]:

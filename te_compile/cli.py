@@ -264,18 +264,19 @@ def _site_counts(rep: Report) -> list[str]:
     return lines
 
 
-def _torchao_float8(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
-    """``model`` with its linears converted by torchao's float8 training (tensorwise scaling, its
-    default recipe), in place: the module swap a torchao user writes. On a CPU torchao has no FP8 GEMM
-    and emulates it (``emulate=True``). Linears whose dims are not multiples of 16 stay as they are,
-    as torchao requires (te leaves the same ones in high precision)."""
+def _torchao_float8(model: torch.nn.Module, emulate: bool, recipe: str = "tensorwise") -> torch.nn.Module:
+    """``model`` with its linears converted by torchao's float8 training, in place: the module swap a
+    torchao user writes. ``recipe`` is torchao's recipe name (tensorwise, its default, or rowwise);
+    ``emulate`` runs its FP8 GEMMs as fp32 matmuls (a CPU has no FP8 GEMM). Linears whose dims are
+    not multiples of 16 stay as they are, as torchao requires (te leaves the same ones in high
+    precision). The demo's peer run, and every torchao row of the benchmarks."""
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     def eligible(module: torch.nn.Module, fqn: str) -> bool:
         return (isinstance(module, torch.nn.Linear) and module.in_features % 16 == 0
                 and module.out_features % 16 == 0)
 
-    config = Float8LinearConfig(emulate=device.type != "cuda")
+    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=emulate)
     return convert_to_float8_training(model, config=config, module_filter_fn=eligible)
 
 
@@ -337,7 +338,7 @@ def _demo(args: argparse.Namespace) -> int:
     # (label, backend, model transform): te, high precision, and the peer when asked for
     plan = [(te_label, te, None), (hp_label, hp_backend, None)]
     if args.peer == "torchao":
-        plan.append((peer_label, hp_backend, _torchao_float8))
+        plan.append((peer_label, hp_backend, lambda model, device: _torchao_float8(model, device.type != "cuda")))
     reset()
     runs = []
     width = max(len(label) for label, _, _ in plan)
