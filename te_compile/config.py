@@ -84,6 +84,8 @@ class RewriteConfig:
     """Which site kinds the backend rewrites; a disabled kind stays in high precision."""
 
     linear: bool = True
+    # the experts' grouped GEMMs of MoE layers (torch._grouped_mm and transformers' fallback op)
+    grouped_linear: bool = True
     layer_norm: bool = True  # fused into the following linears' input quantization when possible
     rms_norm: bool = True
     activation: bool = True  # GELU / ReLU / ReLU² / SwiGLU fused into the following linear's quantization

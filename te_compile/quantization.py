@@ -21,7 +21,7 @@ from typing import Callable, Optional
 import torch
 
 from .recipe import GRADIENT_ROLES, ROLES, DelayedScaling, Float8CurrentScaling, Recipe
-from .scaling import cast_to_fp8, compute_scale, tensor_amax
+from .scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
 from .state import state_for
 from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
@@ -35,6 +35,8 @@ __all__ = [
     "weight_quantizer",
     "quantize_per_tensor",
     "current_scale",
+    "quantize_rows_per_group",
+    "quantize_per_expert",
     "weight_ineligibility",
     "weight_is_operand",
     "FLOAT_DTYPES",
@@ -157,6 +159,33 @@ def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optio
     data = cast_to_fp8(t, scale, fp8_dtype)
     scale_inv = torch.div(torch.ones_like(scale), scale)
     return data, scale_inv, amax
+
+
+def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: int, role: str, recipe: Recipe,
+                            scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 of each group of rows, a group being one expert's tokens: (fp8 data [R, C],
+    scale_inv [num_groups], amax [num_groups]).
+
+    t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group are cast with
+    scale 1 and read by no GEMM). scale: None for current scaling, else delayed scaling's [num_groups].
+    """
+    amax = group_amax(t, groups, num_groups)
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    row_scale = torch.cat([scale, scale.new_ones(1)])[groups.clamp(max=num_groups)]
+    data = cast_to_fp8(t, row_scale[:, None], recipe.fp8_format.dtype_for(role))
+    return data, torch.div(torch.ones_like(scale), scale), amax
+
+
+def quantize_per_expert(w: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 of each expert's matrix of ``w`` [E, R, C]: (fp8 data [E, R, C], scale_inv [E],
+    amax [E]). scale: None for current scaling, else delayed scaling's [E]."""
+    amax = w.detach().abs().amax(dim=(1, 2)).to(torch.float32)
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    data = cast_to_fp8(w, scale[:, None, None], recipe.fp8_format.dtype_for(role))
+    return data, torch.div(torch.ones_like(scale), scale), amax
 
 
 # ---- weights ---------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ __all__ = [
     "FLT_MAX",
     "fp8_max",
     "tensor_amax",
+    "group_amax",
     "scale_for_limit",
     "compute_scale",
     "cast_to_fp8",
@@ -47,6 +48,17 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     if x.numel() == 0:
         return torch.zeros(1, dtype=torch.float32, device=x.device)
     return x.detach().abs().amax().to(torch.float32).reshape(1)
+
+
+def group_amax(t: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """max|t| over the rows of each group, fp32 [num_groups] (0 for a group with no rows; NaN stays).
+
+    t: [R, C]; groups: int64 [R], each row's group, rows with ``num_groups`` or more belonging to none
+    (tokens past the last expert's end, which the grouped GEMM does not read).
+    """
+    rows = t.detach().abs().amax(dim=-1).to(torch.float32)   # C > 0: grouped sites have K, N >= 16
+    out = torch.zeros(num_groups + 1, dtype=torch.float32, device=t.device)
+    return out.scatter_reduce(0, groups.clamp(max=num_groups), rows, "amax", include_self=True)[:num_groups]
 
 
 def _scale_from_amax(amax: torch.Tensor, limit: float, margin: int) -> torch.Tensor:

@@ -1,8 +1,9 @@
 """GEMMs on quantized operands, below the lowerings that call them.
 
 ``per_tensor``: FP8 GEMMs with one scale per operand (torch._scaled_mm; on CPU its exact emulation);
-``block``: block-scaled GEMMs, native through F.scaled_mm or dequantize-then-matmul; ``block_probe``:
-whether a device runs a block format's GEMMs natively (gates and a self-test); ``scaled_mm_op``: the
+``grouped``: the experts' grouped FP8 GEMMs with per-expert scales (torch._scaled_grouped_mm, or
+its arithmetic as an fp32 op); ``block``: block-scaled GEMMs, native through F.scaled_mm or
+dequantize-then-matmul; ``block_probe``: whether a device runs a block format's GEMMs natively (gates and a self-test); ``scaled_mm_op``: the
 opaque op around F.scaled_mm and its pure-torch reference.
 """
 

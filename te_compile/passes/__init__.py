@@ -20,6 +20,7 @@ from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
+from .grouped_linear import rewrite_grouped_linears
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
@@ -36,6 +37,7 @@ Pass = Callable[[PassContext, GraphScope], int]
 # the linears the linear pass created, the fp8_mha pass joins the attention pass's sites to them.
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
+    rewrite_grouped_linears,
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,

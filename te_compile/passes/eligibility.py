@@ -12,12 +12,12 @@ from ..recipe import Recipe
 from .matching import shape_text, value_of
 from .sites import LinearSite
 
-__all__ = ["linear_ineligibility", "shape_str"]
+__all__ = ["linear_ineligibility", "shape_str", "divisible"]
 
 _DEVICES = ("cpu", "cuda")
 
 
-def _divisible(dim, by: int) -> bool:
+def divisible(dim, by: int) -> bool:
     """True when ``dim`` (int or SymInt) is known to be a multiple of ``by`` for every shape the
     graph is compiled for; a symbolic dim is judged by the ShapeEnv's facts, never by the hint."""
     if isinstance(dim, int):
@@ -57,7 +57,7 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     n, k = (w.shape[1], w.shape[0]) if site.weight_in_out else (w.shape[0], w.shape[1])
     align = recipe.gemm_alignment
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
-        if not _divisible(dim, align):
+        if not divisible(dim, align):
             return f"{name}={dim} is not divisible by {align} ({recipe.gemm_alignment_reason})"
     if recipe.delayed() and site.param is None:
         return ("DelayedScaling keeps its state per weight parameter; this weight is computed "

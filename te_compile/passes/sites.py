@@ -8,6 +8,12 @@ activation:
     x @ W (W stored [in, out])   torch.addmm(b, x, W) (HF Conv1D)   torch.mm(x, W)   W @ x
     torch.baddbmm(b, x, W.expand(B, K, N))   torch.bmm(x, W.expand(B, K, N))
 
+A grouped GEMM site is one call of an MoE layer's experts: tokens sorted by expert [M, K] times a 3-D
+parameter [E, K, N] (or [E, N, K] read through ``.transpose(-2, -1)``), groups given by ``offs``:
+
+    torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)   F.grouped_mm(x, W, offs=offs)
+    torch.ops.transformers.grouped_mm_fallback(x, W, offs)  (transformers' op for fp32 / fp16 weights)
+
 A matmul-like call with a parameter operand in any other form (einsum, a batched parameter, two
 parameters, addmm with alpha/beta) is returned too, with ``unsupported`` saying why, so the report
 lists it: a layer the report does not show does not exist.
@@ -25,7 +31,7 @@ import torch.fx as fx
 from .graphs import GraphScope, ParamRef, module_fqn
 from .matching import value_of
 
-__all__ = ["LinearSite", "find_linear_sites"]
+__all__ = ["LinearSite", "find_linear_sites", "GroupedSite", "find_grouped_sites"]
 
 
 @dataclass
@@ -90,19 +96,22 @@ def _method(node: fx.Node) -> Optional[str]:
     return None
 
 
-def _is_2d_transpose(node: fx.Node) -> bool:
-    """t(), .T, transpose of the two dims of a 2-D tensor, permute(1, 0)."""
-    if _rank(node) != 2:
+def _is_matrix_transpose(node: fx.Node) -> bool:
+    """Swaps the last two dims of a 2-D or 3-D tensor: t(), .T, .mT, transpose(0, 1) / (-2, -1),
+    permute(1, 0) / (0, 2, 1). A 3-D weight is a stack of matrices (one per expert)."""
+    rank = _rank(node)
+    if rank not in (2, 3):
         return False
     name = _method(node)
     if name in ("t", "T", "mT"):
-        return True
+        return rank == 2 or name == "mT" or (node.target is getattr and node.args[1] == "mT")
     dims = [a for a in node.args[1:]]
     if name in ("transpose", "swapaxes", "swapdims"):
-        return len(dims) == 2 and {d % 2 for d in dims if isinstance(d, int)} == {0, 1}
+        return len(dims) == 2 and all(isinstance(d, int) for d in dims) and \
+            sorted(d % rank for d in dims) == [rank - 2, rank - 1]
     if name == "permute":
         flat = dims[0] if len(dims) == 1 and isinstance(dims[0], (list, tuple)) else dims
-        return [d % 2 for d in flat if isinstance(d, int)] == [1, 0]
+        return [d % rank for d in flat if isinstance(d, int)] == [*range(rank - 2), rank - 1, rank - 2]
     return False
 
 
@@ -117,7 +126,7 @@ def _param_behind(node, params: dict[fx.Node, ParamRef]) -> tuple[Optional[Param
         name = _method(node)
         if name in _CAST_METHODS:
             node = node.args[0]
-        elif name in _TRANSPOSE_METHODS and _is_2d_transpose(node):
+        elif name in _TRANSPOSE_METHODS and _is_matrix_transpose(node):
             flipped = not flipped
             node = node.args[0]
         else:
@@ -213,6 +222,8 @@ def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[
         if site is not None and baddbmm and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
             site.unsupported = "baddbmm with beta or alpha other than 1"
         return site
+    if _grouped_op(node) is not None:
+        return None   # find_grouped_sites
     name = _OTHER_MATMULS.get(target) if is_call else None
     name = name or _matmul_word_name(node)
     if name is not None:
@@ -237,4 +248,75 @@ def find_linear_sites(scope: GraphScope) -> list[LinearSite]:
             # after the module that owns the weight.
             site.fqn = site.param.name.rsplit(".", 1)[0]
         sites.append(site)
+    return sites
+
+
+# ---- grouped GEMMs (MoE experts) ------------------------------------------------------------------
+
+
+@dataclass
+class GroupedSite:
+    node: fx.Node               # the call to replace
+    x: fx.Node                  # tokens sorted by expert [M, K]
+    weight: fx.Node             # the weight as the call reads it: [E, K, N]
+    offs: Optional[fx.Node]     # int [E]: the running end of each expert's rows
+    param: Optional[ParamRef]   # the 3-D parameter behind ``weight``; None: computed
+    weight_in_out: bool         # the parameter is stored [E, in, out] (else [E, out, in], read transposed)
+    fqn: str                    # the experts module's path
+    op_name: str                # "grouped_mm" | "grouped_mm_fallback", for reports
+    unsupported: Optional[str] = None   # why this grouped GEMM is not lowered
+
+
+_GROUPED_MM_FNS = (torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm))
+# transformers' custom op for the weights torch._grouped_mm cannot compile (fp32, fp16): same operands
+_GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _grouped_op(node: fx.Node) -> Optional[str]:
+    """"grouped_mm" / "grouped_mm_fallback" for a grouped GEMM call, else None."""
+    if node.op != "call_function":
+        return None
+    if node.target in _GROUPED_MM_FNS:
+        return "grouped_mm"
+    packet = getattr(node.target, "_overloadpacket", node.target)   # OpOverload or OpOverloadPacket
+    qualified = getattr(packet, "_qualified_op_name", None)
+    return qualified.split("::")[1] if qualified in _GROUPED_MM_OPS else None
+
+
+def _argument(node: fx.Node, index: int, name: str):
+    return node.args[index] if len(node.args) > index else node.kwargs.get(name)
+
+
+def _grouped_site(node: fx.Node, op_name: str, params, fqn: str) -> Optional[GroupedSite]:
+    fallback = op_name == "grouped_mm_fallback"
+    x = _argument(node, 0, "input" if fallback else "mat_a")
+    w = _argument(node, 1, "weight" if fallback else "mat_b")
+    offs = _argument(node, 2, "offs")
+    if not any(_reaches_param(a, params) for a in (x, w)):
+        return None   # activations times activations (attention-like): not a weight GEMM
+    param, flipped = _param_behind(w, params)
+    site = GroupedSite(node, x, w, offs, param, not flipped, fqn, op_name)
+    if param is None:
+        site.unsupported = (f"{op_name} whose weight operand is not a parameter read as it is or "
+                            f"transposed (a computed or sliced weight)")
+    elif _rank(x) != 2 or _rank(w) != 3:
+        site.unsupported = f"{op_name} of a {_rank(x)}-D input and a {_rank(w)}-D weight (lowered: 2-D tokens x 3-D)"
+    elif not isinstance(offs, fx.Node):
+        site.unsupported = f"{op_name} without offs"
+    elif _argument(node, 3, "bias") is not None:
+        site.unsupported = f"{op_name} with a bias argument"
+    elif _argument(node, 4, "out_dtype") not in (None, getattr(value_of(x), "dtype", None)):
+        site.unsupported = f"{op_name} with out_dtype={_argument(node, 4, 'out_dtype')}, not its input's dtype"
+    return site
+
+
+def find_grouped_sites(scope: GraphScope) -> list[GroupedSite]:
+    """Every grouped GEMM call of ``scope``'s graph with a parameter operand, in graph order."""
+    sites = []
+    for node in scope.graph.nodes:
+        op_name = _grouped_op(node)
+        if op_name is not None:
+            site = _grouped_site(node, op_name, scope.params, scope.fqn(module_fqn(node)))
+            if site is not None:
+                sites.append(site)
     return sites

@@ -1,0 +1,127 @@
+"""What a rewritten grouped GEMM site calls: ``GroupedLinearLowering(spec)(x, w, offs)``, the experts
+of a mixture-of-experts layer (TransformerEngine's GroupedLinear, from unchanged model code).
+
+x: [M, K] tokens sorted by expert; w: [E, K, N] as ``torch._grouped_mm`` reads it (a parameter
+[E, K, N], or [E, N, K] through ``.transpose(-2, -1)``); offs: [E] the running end of each
+expert's rows. y [M, N]: rows offs[e-1]:offs[e] times w[e]; rows from offs[-1] on are 0.
+
+Per-tensor FP8 per expert, as GroupedLinear gives each GEMM its own quantizers: one scale for each
+expert's token rows, one per expert weight, one per expert slice of grad_output (HYBRID: E4M3
+forward, E5M2 gradients). An expert without tokens has amax 0, so scale 1, and contributes zero
+rows and a zero weight gradient. The GEMMs (te_compile.gemm.grouped) apply the scales to the fp32
+accumulator, as torch._scaled_grouped_mm does:
+- fprop  y  = x @ w[e]        : xq [M, K] E4M3, wq [E, N, K] E4M3 read as [E, K, N]
+- dgrad  dx = g @ w[e].T      : gq [M, N] E5M2, wq read as [E, N, K]
+- wgrad  dw[e] = g_e.T @ x_e  : gq.T [N, M] E5M2, xq [M, K] E4M3, grouped along M
+Only the FP8 copies of x and w are saved for backward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..gemm.grouped import group_index, pad_groups, scaled_grouped_mm
+from ..quantization import quantize_per_expert, quantize_rows_per_group
+from ..recipe import Recipe
+
+__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "Fp8GroupedLinearFunction", "grouped_fprop",
+           "grouped_dgrad_wgrad"]
+
+
+@dataclass(frozen=True)
+class GroupedLinearSpec:
+    """Everything about a grouped site the lowering needs that is not a tensor."""
+
+    fqn: str
+    recipe: Recipe
+    # pad every expert's rows to a multiple of this before the GEMMs (the native grouped GEMM's 16),
+    # on the device; 1: no padding
+    align: int = 1
+
+
+def _per_row(scale_inv: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """[E] -> [M]: each row's expert value (rows of no expert read the last one; their output is 0)."""
+    return scale_inv[groups.clamp(max=scale_inv.shape[0] - 1)]
+
+
+def _per_column(scale_inv: torch.Tensor, columns: int) -> torch.Tensor:
+    """[E] -> [E, columns]: the expert's value in every column (the rowwise form of a tensor scale)."""
+    return scale_inv[:, None].expand(scale_inv.shape[0], columns)
+
+
+def grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, *, out_dtype):
+    """The forward grouped GEMM from an FP8 input made by the caller: y [M, N] = xq @ quantize(w)[e]
+    per expert. xq: [M, K] fp8; x_sinv: [E]; groups: int64 [M] (``group_index``); w_ekn: [E, K, N].
+    Returns (y, wq [E, N, K] contiguous: saved for dgrad, w's scale_inv [E])."""
+    wq, w_sinv, _ = quantize_per_expert(w_ekn.transpose(1, 2), "weight", recipe)
+    wq = wq.contiguous()
+    y = scaled_grouped_mm(xq, wq.transpose(1, 2), _per_row(x_sinv, groups), _per_column(w_sinv, wq.shape[1]),
+                          offs, out_dtype)
+    return y, wq, w_sinv
+
+
+def grouped_dgrad_wgrad(grad_y, groups, offs, recipe, wq, w_sinv, xq, x_sinv, *, dx_dtype, dw_dtype):
+    """The backward grouped GEMMs from the saved FP8 operands; grad_y [M, N] is quantized here per
+    expert. dx [M, K] in ``dx_dtype`` (None: not needed); dw [E, N, K] in ``dw_dtype`` (None: not
+    needed). Returns (dx, dw)."""
+    experts, n, k = wq.shape
+    gq, g_sinv, _ = quantize_rows_per_group(grad_y, groups, experts, "grad_output", recipe)
+    dx = dw = None
+    if dx_dtype is not None:
+        dx = scaled_grouped_mm(gq, wq, _per_row(g_sinv, groups), _per_column(w_sinv, k), offs, dx_dtype)
+    if dw_dtype is not None:
+        dw = scaled_grouped_mm(gq.t(), xq, _per_column(g_sinv, n).reshape(-1), _per_column(x_sinv, k).reshape(-1),
+                               offs, dw_dtype)
+    return dx, dw
+
+
+class Fp8GroupedLinearFunction(torch.autograd.Function):
+    """Per-tensor FP8 per expert (current scaling). x: [M, K], w_ekn: [E, K, N], offs: int32 [E]."""
+
+    @staticmethod
+    def forward(ctx, x, w_ekn, offs, recipe):
+        groups = group_index(offs, x.shape[0])
+        xq, x_sinv, _ = quantize_rows_per_group(x, groups, w_ekn.shape[0], "input", recipe)
+        y, wq, w_sinv = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, out_dtype=x.dtype)
+        ctx.recipe = recipe
+        ctx.dtypes = (x.dtype, w_ekn.dtype)
+        ctx.save_for_backward(xq, x_sinv, wq, w_sinv, offs, groups)
+        ctx.mark_non_differentiable(offs)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        xq, x_sinv, wq, w_sinv, offs, groups = ctx.saved_tensors
+        x_dtype, w_dtype = ctx.dtypes
+        dx, dw = grouped_dgrad_wgrad(grad_y, groups, offs, ctx.recipe, wq, w_sinv, xq, x_sinv,
+                                     dx_dtype=x_dtype if ctx.needs_input_grad[0] else None,
+                                     dw_dtype=w_dtype if ctx.needs_input_grad[1] else None)
+        return dx, None if dw is None else dw.transpose(1, 2), None, None
+
+
+class GroupedLinearLowering:
+    """Callable inserted into the FX graph for one grouped site: ``(x, w, offs) -> y`` (module
+    docstring: shapes). The output has x's dtype, as ``torch._grouped_mm``'s does."""
+
+    def __init__(self, spec: GroupedLinearSpec) -> None:
+        if not spec.recipe.per_tensor or spec.recipe.delayed():
+            raise ValueError(f"grouped GEMMs are lowered for Float8CurrentScaling, got {spec.recipe.name}")
+        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        self.__name__ = f"te_grouped_linear_{spec.recipe.name}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
+        if self.spec.align == 1:
+            return Fp8GroupedLinearFunction.apply(x, w_ekn, offs, self.spec.recipe)
+        # every expert's rows padded with zero rows to the GEMM's alignment, and gathered back after
+        dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], self.spec.align)
+        x_padded = x.new_zeros(padded_rows, x.shape[1]).index_copy(0, dest, x)
+        y = Fp8GroupedLinearFunction.apply(x_padded, w_ekn, padded_offs, self.spec.recipe)
+        return y.index_select(0, dest)
+
+    def __repr__(self) -> str:
+        return f"GroupedLinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

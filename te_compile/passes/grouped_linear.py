@@ -1,0 +1,100 @@
+"""The grouped linear pass: every grouped GEMM of an MoE layer's experts becomes a call to
+``GroupedLinearLowering``, or a report row saying why not."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch.fx.experimental.symbolic_shapes import statically_known_true
+
+from ..distributed import is_dtensor
+from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_native_grouped_gemm
+from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
+from ..quantization import FLOAT_DTYPES
+from ..recipe import Recipe
+from ..tensor.quantized_tensor import QuantizedTensor
+from .context import PassContext
+from .eligibility import divisible
+from .graphs import GraphScope
+from .matching import shape_text, value_of
+from .sites import GroupedSite, find_grouped_sites
+
+__all__ = ["rewrite_grouped_linears"]
+
+
+def _shapes(site: GroupedSite) -> str:
+    parts = [shape_text("x", site.x) or "x[?]", shape_text("w", site.weight) or "w[?]"]
+    if site.param is not None:
+        parts[-1] += f"={site.param.name}"
+    if isinstance(site.offs, type(site.x)):
+        parts.append(shape_text("offs", site.offs) or "offs[?]")
+    return " ".join(parts)
+
+
+def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
+    """Why the site cannot run under ``recipe``, or None."""
+    if not recipe.per_tensor or recipe.delayed():
+        return (f"grouped GEMMs are lowered under Float8CurrentScaling; {recipe.name} per expert is not "
+                f"built yet (left in high precision)")
+    x, w = value_of(site.x), value_of(site.weight)
+    if x is None or w is None:
+        return "operand shapes unknown (no example value)"
+    if is_dtensor(x) or is_dtensor(w):
+        return "DTensor operands (experts sharded by tensor parallelism) are not lowered yet"
+    if isinstance(w, QuantizedTensor):
+        return f"weight is a {type(w).__name__} (FP8 experts from FSDP2 or primary weights are not lowered yet)"
+    if x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:
+        return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
+    if x.device.type not in ("cpu", "cuda"):
+        return f"device {x.device.type!r} is not supported (supported: ['cpu', 'cuda'])"
+    k, n = w.shape[1], w.shape[2]
+    for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
+        if not divisible(dim, recipe.gemm_alignment):
+            return f"{name}={dim} is not divisible by {recipe.gemm_alignment} ({recipe.gemm_alignment_reason})"
+    if any(statically_known_true(d == 0) for d in x.shape):
+        return f"input {list(x.shape)} is empty: nothing to quantize"
+    return None
+
+
+def _align(site: GroupedSite, recipe: Recipe) -> int:
+    """Rows per group the forward GEMM needs: the native grouped GEMM's 16 where it runs, else 1."""
+    x = value_of(site.x)
+    fp8 = recipe.fp8_format.dtype_for("input")
+    probe = x.new_empty((), dtype=fp8) if x.device.type == "cuda" else None
+    native = probe is not None and uses_native_grouped_gemm(probe, probe, x.dtype)
+    return GROUP_ALIGN if native else 1
+
+
+def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
+    """Rewrite the eligible grouped GEMM sites of ``scope``; one report row per site found."""
+    config = ctx.config
+    planned = []
+    for site in find_grouped_sites(scope):
+        recipe, why = config.recipe_for(site.fqn)
+        record = ctx.recorder(scope, site.node, site.fqn, "grouped_linear", _shapes(site))
+        if site.unsupported is not None:
+            record(False, f"{site.unsupported} (left in high precision)")
+            continue
+        if not config.rewrite.grouped_linear:
+            record(False, "[rewrite] grouped_linear = false")
+            continue
+        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+            record(False, alone)
+            continue
+        reason = _ineligibility(site, recipe)
+        if reason is not None:
+            record(False, reason, recipe.name)
+            continue
+        spec = GroupedLinearSpec(site.fqn, recipe, _align(site, recipe))
+        planned.append((site, GroupedLinearLowering(spec)))
+        x = value_of(site.x)
+        layout = "[E, in, out]" if site.weight_in_out else "[E, out, in]"
+        record(True, f"{site.op_name} -> {grouped_gemm_kind(x.dtype, x.device)}; per-expert scales, "
+                     f"weight {layout} ({why})", recipe.name)
+    for site, lowering in reversed(planned):   # consumers first, as in the linear pass
+        with scope.graph.inserting_before(site.node):
+            new = scope.graph.call_function(lowering, (site.x, site.weight, site.offs))
+        new.meta.update(site.node.meta)
+        site.node.replace_all_uses_with(new)
+        scope.graph.erase_node(site.node)
+    return len(planned)

@@ -1,0 +1,310 @@
+"""MoE experts: the grouped GEMM ops, the per-expert FP8 lowering against a per-expert reference of
+the same quantization, and the pass that finds grouped GEMMs in unchanged model code (aot_eager)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import te_compile
+from te_compile.gemm.grouped import grouped_mm_f32, grouped_mm_f32_reference, pad_groups, scaled_grouped_mm
+from te_compile.lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
+from te_compile.quantization import quantize_per_tensor
+from te_compile.recipe import Float8CurrentScaling, Format
+from utils import assert_bitwise_equal, assert_sqnr_at_least, seed, sqnr
+
+E, K, N = 4, 32, 48
+OPTIONS = {"compiler": "aot_eager"}
+# tokens per expert: an empty expert, a one-row expert, prime counts; 3 rows past the last expert
+COUNTS = [5, 0, 17, 1]
+TAIL = 3
+
+
+def _offs(counts) -> torch.Tensor:
+    return torch.tensor(counts).cumsum(0).to(torch.int32)
+
+
+def _reference(x, w_enk, g, counts, recipe):
+    """Per expert, the dense per-tensor quantization of its rows / weight / gradient rows, fp32
+    products of the FP8 values, the scales applied to the product: (y, dx, dw)."""
+    y = torch.zeros(x.shape[0], w_enk.shape[1], dtype=x.dtype)
+    dx, dw = torch.zeros_like(x), torch.zeros_like(w_enk)
+    start = 0
+    for e, count in enumerate(counts):
+        rows = slice(start, start + count)
+        start += count
+        if count == 0:
+            continue
+        xq, xs, _ = quantize_per_tensor(x[rows], "input", recipe)
+        wq, ws, _ = quantize_per_tensor(w_enk[e], "weight", recipe)
+        gq, gs, _ = quantize_per_tensor(g[rows], "grad_output", recipe)
+        f32 = lambda t: t.float().contiguous()   # noqa: E731
+        y[rows] = ((f32(xq) @ f32(wq.t())) * xs * ws).to(x.dtype)
+        dx[rows] = ((f32(gq) @ f32(wq)) * gs * ws).to(x.dtype)
+        dw[e] = ((f32(gq.t()) @ f32(xq)) * gs * xs).to(w_enk.dtype)
+    return y, dx, dw
+
+
+def _run(lowering, x, w_enk, g, offs):
+    """The lowering's (y, dx, dw [E, N, K]) for weights stored [E, N, K] (read transposed)."""
+    x, w_enk = x.clone().requires_grad_(), w_enk.clone().requires_grad_()
+    y = lowering(x, w_enk.transpose(1, 2), offs)
+    dx, dw = torch.autograd.grad(y, (x, w_enk), g)
+    return y, dx, dw
+
+
+# ---- the ops ---------------------------------------------------------------------------------------
+
+
+def test_grouped_mm_f32_forms_match_per_group_matmuls_and_zero_what_no_group_reads():
+    gen = seed(0)
+    offs = _offs(COUNTS)
+    m = sum(COUNTS) + TAIL
+    a, b3 = torch.randn(m, K, generator=gen), torch.randn(E, K, N, generator=gen)
+    out = grouped_mm_f32(a, b3, offs)
+    assert_bitwise_equal(out[:5], a[:5] @ b3[0], "group 0")
+    assert_bitwise_equal(out[22:23], a[22:23] @ b3[3], "one-row group")
+    assert torch.equal(out[-TAIL:], torch.zeros(TAIL, N)), "rows past offs[-1] must be 0"
+    at, b2 = torch.randn(N, m, generator=gen), torch.randn(m, K, generator=gen)
+    dw = grouped_mm_f32(at, b2, offs)
+    assert dw.shape == (E, N, K)
+    assert_bitwise_equal(dw[2], at[:, 5:22].contiguous() @ b2[5:22], "wgrad group 2")
+    assert torch.equal(dw[1], torch.zeros(N, K)), "an empty group's wgrad must be 0"
+
+
+def test_grouped_mm_f32_compiles_without_graph_breaks_and_keeps_its_bits():
+    gen = seed(1)
+    offs = _offs(COUNTS)
+    a = torch.randn(sum(COUNTS), K, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(E, K, N, generator=gen).to(torch.float8_e4m3fn)
+    compiled = torch.compile(lambda a, b, o: grouped_mm_f32(a, b, o) * 2, fullgraph=True)
+    assert_bitwise_equal(compiled(a, b, offs), grouped_mm_f32_reference(a, b, offs) * 2)
+
+
+@pytest.mark.parametrize("counts", [COUNTS, [0, 0, 0, 23], [16, 32, 1, 15]], ids=["mixed", "one", "aligned"])
+def test_pad_groups_places_each_group_at_an_aligned_start_without_overlap(counts):
+    offs = _offs(counts)
+    rows = sum(counts) + TAIL
+    dest, padded_offs, padded_rows = pad_groups(offs, rows, 16)
+    assert padded_rows == rows + E * 15
+    assert all(int(o) % 16 == 0 for o in padded_offs), padded_offs
+    assert len(set(dest.tolist())) == rows and int(dest.max()) < padded_rows
+    starts = [0, *padded_offs[:-1].tolist()]
+    for e, (start, count) in enumerate(zip([0, *offs[:-1].tolist()], counts)):
+        assert dest[start:start + count].tolist() == list(range(starts[e], starts[e] + count)), e
+    assert int(dest[sum(counts)]) >= int(padded_offs[-1]), "rows past the end stay past the padded end"
+
+
+def test_scaled_grouped_mm_applies_row_and_column_scales_to_the_fp32_product():
+    gen = seed(2)
+    offs = _offs(COUNTS)
+    m = sum(COUNTS)
+    a = torch.randn(m, K, generator=gen).to(torch.float8_e4m3fn)
+    b = torch.randn(E, K, N, generator=gen).to(torch.float8_e4m3fn)
+    sa, sb = torch.rand(m, generator=gen) + 0.5, torch.rand(E, N, generator=gen) + 0.5
+    out = scaled_grouped_mm(a, b, sa, sb, offs, torch.bfloat16)
+    rows = slice(5, 22)
+    expected = ((a[rows].float() @ b[2].float()) * sa[rows, None] * sb[2]).to(torch.bfloat16)
+    assert_bitwise_equal(out[rows], expected)
+
+
+# ---- the lowering ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("fmt", [Format.HYBRID, Format.E4M3], ids=["hybrid", "e4m3"])
+def test_forward_dgrad_wgrad_are_bit_exact_against_a_per_expert_reference(dtype, fmt):
+    gen = seed(3)
+    recipe = Float8CurrentScaling(fp8_format=fmt)
+    offs = _offs(COUNTS)
+    m = sum(COUNTS) + TAIL
+    x, w = torch.randn(m, K, generator=gen).to(dtype), torch.randn(E, N, K, generator=gen).to(dtype)
+    g = torch.randn(m, N, generator=gen).to(dtype)
+    g[-TAIL:] = float("nan")   # gradients of rows no expert reads must not reach any scale
+    y, dx, dw = _run(GroupedLinearLowering(GroupedLinearSpec("experts", recipe)), x, w, g, offs)
+    y_ref, dx_ref, dw_ref = _reference(x, w, g, COUNTS, recipe)
+    assert_bitwise_equal(y, y_ref, "forward")
+    assert_bitwise_equal(dx, dx_ref, "dgrad")
+    assert_bitwise_equal(dw, dw_ref, "wgrad")
+    assert torch.equal(dw[1], torch.zeros(N, K, dtype=dtype)), "the expert without tokens gets a zero gradient"
+    assert not dw.isnan().any() and not dx.isnan().any()
+
+
+def test_padding_to_the_native_alignment_gives_the_same_bits():
+    gen = seed(4)
+    recipe = Float8CurrentScaling()
+    offs = _offs(COUNTS)
+    m = sum(COUNTS) + TAIL
+    x, w, g = torch.randn(m, K, generator=gen), torch.randn(E, N, K, generator=gen), torch.randn(m, N, generator=gen)
+    plain = _run(GroupedLinearLowering(GroupedLinearSpec("experts", recipe)), x, w, g, offs)
+    padded = _run(GroupedLinearLowering(GroupedLinearSpec("experts", recipe, align=16)), x, w, g, offs)
+    for name, a, b in zip(("forward", "dgrad", "wgrad"), plain, padded):
+        assert_bitwise_equal(b, a, name)
+
+
+@pytest.mark.parametrize("factor", [1e3, 1e5], ids=["1000x", "100000x"])
+def test_sqnr_against_high_precision_and_a_small_expert_keeps_its_own(factor):
+    gen = seed(5)
+    recipe = Float8CurrentScaling()
+    counts = [64, 48, 80, 64]
+    offs = _offs(counts)
+    bounds = list(zip([0, *offs[:-1].tolist()], offs.tolist()))
+    x, g = torch.randn(sum(counts), K, generator=gen), torch.randn(sum(counts), N, generator=gen)
+    w = torch.randn(E, N, K, generator=gen)
+    w[2] /= factor   # one expert's weights much smaller than the others'
+    y, dx, dw = _run(GroupedLinearLowering(GroupedLinearSpec("experts", recipe)), x, w, g, offs)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y_hp = torch.cat([xr[s:e] @ wr[i].t() for i, (s, e) in enumerate(bounds)])
+    dx_hp, dw_hp = torch.autograd.grad(y_hp, (xr, wr), g)
+    assert_sqnr_at_least(y_hp, y, 25.0, "forward")
+    assert_sqnr_at_least(dx_hp, dx, 20.0, "dgrad")
+    assert_sqnr_at_least(dw_hp, dw, 20.0, "wgrad")
+    per_expert = [sqnr(y_hp[s:e], y[s:e]) for s, e in bounds]
+    assert per_expert[2] >= min(per_expert[i] for i in (0, 1, 3)) - 1.0, per_expert
+    assert_sqnr_at_least(dw_hp[2], dw[2], 20.0, "the small expert's weight gradient")
+    if factor > 1e4:   # the test can tell: one scale for every expert would crush the small one
+        wq, ws, _ = quantize_per_tensor(w, "weight", recipe)
+        assert sqnr(w[2], wq[2].float() * ws) < 10.0
+
+
+def test_an_expert_without_tokens_anywhere_gives_zeros_not_nan():
+    recipe = Float8CurrentScaling()
+    offs = _offs([0, 0, 0, 0])
+    x, w, g = torch.randn(TAIL, K), torch.randn(E, N, K), torch.randn(TAIL, N)
+    y, dx, dw = _run(GroupedLinearLowering(GroupedLinearSpec("experts", recipe)), x, w, g, offs)
+    assert torch.equal(y, torch.zeros(TAIL, N)) and torch.equal(dx, torch.zeros(TAIL, K))
+    assert torch.equal(dw, torch.zeros(E, N, K))
+
+
+# ---- the pass -------------------------------------------------------------------------------------
+
+
+class GroupedExperts(nn.Module):
+    """torchtitan-style experts: SwiGLU per expert through torch._grouped_mm in bf16, weights kept in
+    fp32. w1, w3: [E, hidden, dim] and w2: [E, dim, hidden] read transposed, or stored [E, in, out]."""
+
+    def __init__(self, dim=K, hidden=N, experts=E, in_out=False):
+        super().__init__()
+        self.in_out = in_out
+        shape_up, shape_down = ((experts, dim, hidden), (experts, hidden, dim)) if in_out else \
+            ((experts, hidden, dim), (experts, dim, hidden))
+        self.w1 = nn.Parameter(torch.randn(shape_up) / dim**0.5)
+        self.w3 = nn.Parameter(torch.randn(shape_up) / dim**0.5)
+        self.w2 = nn.Parameter(torch.randn(shape_down) / hidden**0.5)
+
+    def _weight(self, w):
+        w = w.bfloat16()
+        return w if self.in_out else w.transpose(-2, -1)
+
+    def forward(self, x, tokens_per_expert):   # x: [M, dim] sorted by expert
+        offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        xb = x.bfloat16()
+        h = F.silu(torch._grouped_mm(xb, self._weight(self.w1), offs=offs))
+        h = h * torch._grouped_mm(xb, self._weight(self.w3), offs=offs)
+        return torch._grouped_mm(h, self._weight(self.w2), offs=offs).type_as(x)
+
+
+class MoE(nn.Module):
+    """Router (top-2), sort by expert, the grouped experts, weighted scatter back; a shared expert."""
+
+    def __init__(self, in_out=False):
+        super().__init__()
+        self.router = nn.Linear(K, E, bias=False)   # N = 4: stays in high precision
+        self.experts = GroupedExperts(in_out=in_out)
+        self.shared = nn.Linear(K, K)
+
+    def forward(self, x):   # x: [T, K]
+        scores = self.router(x).softmax(-1)
+        weights, chosen = scores.topk(2, dim=-1)
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.histc(flat.float(), bins=E, min=0, max=E - 1).to(torch.int32)
+        out = self.experts(x[order // 2], counts) * weights.reshape(-1)[order, None]
+        routed = torch.zeros_like(x).index_add(0, order // 2, out)
+        return routed + self.shared(x)
+
+
+def _compile_report(model, *args, config=None, **kwargs):
+    torch._dynamo.reset()
+    te_compile.reset()
+    compiled = torch.compile(model, backend="te", fullgraph=True, options={**OPTIONS, **(config or {})})
+    return compiled(*args, **kwargs), te_compile.report()
+
+
+@pytest.mark.parametrize("in_out", [False, True], ids=["out_in", "in_out"])
+def test_torchtitan_style_experts_are_rewritten_and_match_the_lowering_bit_for_bit(in_out):
+    gen = seed(6)
+    experts = GroupedExperts(in_out=in_out)
+    x = torch.randn(sum(COUNTS), K, generator=gen)
+    counts = torch.tensor(COUNTS)
+    y, report = _compile_report(experts, x, counts)
+    rows = [s for s in report.sites if s.op == "grouped_linear"]
+    assert [(s.fqn, s.rewritten) for s in rows] == [("", True)] * 3, str(report)
+    assert ("[E, in, out]" if in_out else "[E, out, in]") in rows[0].reason
+    # eager, with each grouped GEMM called through the lowering
+    low = GroupedLinearLowering(GroupedLinearSpec("", Float8CurrentScaling()))
+    offs = _offs(COUNTS)
+    xb = x.bfloat16()
+    h = F.silu(low(xb, experts._weight(experts.w1), offs)) * low(xb, experts._weight(experts.w3), offs)
+    assert_bitwise_equal(y, low(h, experts._weight(experts.w2), offs).float())
+
+
+def test_a_routed_layer_trains_its_experts_and_keeps_the_router_in_high_precision():
+    gen = seed(7)
+    model = MoE()
+    x = torch.randn(24, K, generator=gen)
+    y, report = _compile_report(model, x)
+    by_fqn = {(s.fqn, s.op): s for s in report.sites}
+    assert sum(s.rewritten for s in report.sites if s.op == "grouped_linear") == 3, str(report)
+    assert not by_fqn[("router", "linear")].rewritten
+    assert "out_features (N)=4" in by_fqn[("router", "linear")].reason
+    assert by_fqn[("shared", "linear")].rewritten
+    y.square().mean().backward()
+    for name in ("w1", "w2", "w3"):
+        grad = getattr(model.experts, name).grad
+        assert grad is not None and grad.abs().sum() > 0 and not grad.isnan().any(), name
+    assert_sqnr_at_least(MoE.forward(model, x).detach(), y.detach(), 20.0, "layer output")
+
+
+def test_sites_the_pass_leaves_alone_say_why():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(E, K, N))
+            self.w_odd = nn.Parameter(torch.randn(E, N, 24))
+
+        def forward(self, x, offs):
+            y = torch._grouped_mm(x, self.w.bfloat16(), offs=offs)
+            return torch._grouped_mm(y, self.w_odd.bfloat16(), offs=offs)
+
+    x = torch.randn(sum(COUNTS), K).bfloat16()
+    offs = _offs(COUNTS)
+    _, report = _compile_report(Odd(), x, offs)
+    assert [s.rewritten for s in report.sites] == [True, False], str(report)
+    assert "out_features (N)=24 is not divisible by 16" in report.sites[1].reason
+    _, report = _compile_report(Odd(), x, offs, config={"recipe": "DelayedScaling"})
+    assert not any(s.rewritten for s in report.sites) and "DelayedScaling per expert" in report.sites[0].reason
+    _, report = _compile_report(Odd(), x, offs, config={"rewrite": {"grouped_linear": False}})
+    assert [s.reason for s in report.sites] == ["[rewrite] grouped_linear = false"] * 2, str(report)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_transformers_mixtral_experts_are_rewritten(dtype):
+    transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
+    seed(8)
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.MixtralForCausalLM(config).to(dtype)
+    ids = torch.randint(0, 64, (2, 8))
+    out, report = _compile_report(model, ids, labels=ids)
+    rows = [s for s in report.sites if s.op == "grouped_linear"]
+    op = "grouped_mm ->" if dtype == torch.bfloat16 else "grouped_mm_fallback ->"
+    assert [(s.fqn, s.rewritten) for s in rows] == [("model.layers.0.mlp.experts", True)] * 2, str(report)
+    assert all(op in s.reason for s in rows)
+    out.loss.backward()
+    grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
+    assert grad is not None and grad.float().abs().sum() > 0
+
