@@ -123,11 +123,13 @@ def cast_to_fp8(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype) ->
 
 
 def update_amax_history(amax_history: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
-    """New history with ``amax`` ([1]) at index 0, the most recent first; the oldest falls off.
+    """New history with ``amax`` at index 0, the most recent first; the oldest falls off.
 
-    amax_history: fp32 [L]. Returns a new tensor; callers copy it into their state buffer.
+    amax_history: fp32 [L] with amax [1], or one history per expert, [E, L] with amax [E]. Returns a
+    new tensor; callers copy it into their state buffer.
     """
-    return torch.cat([amax.reshape(1).to(amax_history.dtype), amax_history[:-1]])
+    newest = amax.reshape(*amax_history.shape[:-1], 1).to(amax_history.dtype)
+    return torch.cat([newest, amax_history[..., :-1]], dim=-1)
 
 
 def delayed_scale_from_history(
@@ -140,7 +142,8 @@ def delayed_scale_from_history(
     scaling_factor_compute_algo: Optional[Callable] = None,
     recipe=None,
 ) -> torch.Tensor:
-    """The delayed-scaling scale for the next step from an amax history ([L], most recent first).
+    """The delayed-scaling scale for the next step from an amax history ([L], most recent first;
+    [E, L] with ``prev_scale`` [E]: one per expert, each row on its own).
 
     "max" takes the window's max, "most_recent" its first entry, a callable gets the history. The
     scale is fp8_max / amax / 2**margin when amax is finite and > 0; otherwise the previous scale is
@@ -148,16 +151,18 @@ def delayed_scale_from_history(
     recipe)`` replaces that rule when given, as in TransformerEngine.
     """
     if callable(amax_compute_algo):
-        amax = amax_compute_algo(amax_history).reshape(1).to(torch.float32)
+        rows = amax_history.reshape(-1, amax_history.shape[-1])
+        amax = torch.stack([amax_compute_algo(row).reshape(()) for row in rows]).to(torch.float32)
     elif amax_compute_algo == "max":
-        amax = amax_history.amax().reshape(1)
+        amax = amax_history.amax(dim=-1)
     elif amax_compute_algo == "most_recent":
-        amax = amax_history[:1]
+        amax = amax_history[..., 0]
     else:
         raise ValueError(
             f"amax_compute_algo must be 'max', 'most_recent' or a callable, got {amax_compute_algo!r}"
         )
+    amax = amax.reshape(prev_scale.shape)
     if scaling_factor_compute_algo is not None:
-        return scaling_factor_compute_algo(amax, prev_scale, fp8_max(fp8_dtype), recipe).reshape(1)
+        return scaling_factor_compute_algo(amax, prev_scale, fp8_max(fp8_dtype), recipe).reshape(prev_scale.shape)
     return torch.where(_valid_amax(amax), _scale_from_amax(amax, fp8_max(fp8_dtype), margin),
                        prev_scale.to(torch.float32))

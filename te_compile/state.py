@@ -40,15 +40,22 @@ class RoleStates:
 
     ROLES: tuple[str, ...] = ()
 
-    def __init__(self, history_len: int, device: torch.device) -> None:
+    def __init__(self, history_len: int, device: torch.device, experts: int = 0) -> None:
         self.history_len = history_len
+        self.experts = experts   # E for a 3-D expert weight: histories [E, L], scales [E]; else 0
+        lead = (experts,) if experts else ()
         self.roles = {
             role: RoleState(
-                amax_history=torch.zeros(history_len, dtype=torch.float32, device=device),
-                scale=torch.ones(1, dtype=torch.float32, device=device),
+                amax_history=torch.zeros(*lead, history_len, dtype=torch.float32, device=device),
+                scale=torch.ones(experts or 1, dtype=torch.float32, device=device),
             )
             for role in self.ROLES
         }
+
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        """Each field's shape, as ``recipe_state_dict`` writes it."""
+        lead = (self.experts,) if self.experts else ()
+        return {"amax_history": (*lead, self.history_len), "scale": (self.experts or 1,)}
 
     def tensors(self) -> list[torch.Tensor]:
         """Flat list in the order the lowering takes them: per role (amax_history, scale)."""
@@ -59,12 +66,13 @@ class RoleStates:
 
 
 class LinearState(RoleStates):
-    """The state of one weight: a RoleState per role of its GEMMs' operands (GEMM_ROLES)."""
+    """The state of one weight: a RoleState per role of its GEMMs' operands (GEMM_ROLES); for a 3-D
+    expert weight [E, ...], one history and scale per expert in each."""
 
     ROLES = GEMM_ROLES
 
-    def __init__(self, history_len: int, device: torch.device) -> None:
-        super().__init__(history_len, device)
+    def __init__(self, history_len: int, device: torch.device, experts: int = 0) -> None:
+        super().__init__(history_len, device, experts)
         # module paths of the linear sites that use this weight (the state's name in the state dict)
         self.sites: list[str] = []
 
@@ -88,17 +96,26 @@ _ANCHORS: dict[torch.device, torch.Tensor] = {}
 def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState:
     """The state of ``weight``, created on first use. ``where`` names the site for errors."""
     state = _STATES.get(weight)
+    experts = _experts(weight)
     if state is None:
         state = _linked_state(weight)
         if state is None:
-            state = LinearState(history_len, weight.device)
+            state = LinearState(history_len, weight.device, experts)
         _STATES[weight] = state
+    if state.experts != experts:
+        raise ValueError(f"{where}: this weight of shape {list(weight.shape)} has state for "
+                         f"{state.experts or 'no'} experts, expected {experts or 'none'} (loaded for another weight?)")
     if state.history_len != history_len:
         raise ValueError(
             f"{where}: the recipe asks for amax_history_len={history_len}, but this weight already "
             f"has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
         )
     return state
+
+
+def _experts(weight: torch.Tensor) -> int:
+    """E for a 3-D expert weight [E, ...] (one state per expert), 0 for a linear's 2-D weight."""
+    return weight.shape[0] if weight.dim() == 3 else 0
 
 
 def attention_state_for(param: torch.Tensor, site_key: str, owner_depth: int, history_len: int,
@@ -277,13 +294,14 @@ def _history_len(existing: Optional[RoleStates], given: dict) -> int:
     """The history length of state being loaded: the existing state's, else the saved history's."""
     history = next((v for (_, f), (_, v) in given.items() if f == "amax_history"), None)
     return (existing.history_len if existing is not None
-            else history.numel() if history is not None else 1024)
+            else history.shape[-1] if history is not None and history.dim() else 1024)
 
 
-def _shape_problems(given: dict, history_len: int) -> list[str]:
+def _shape_problems(given: dict, history_len: int, experts: int = 0) -> list[str]:
     problems = []
+    lead = (experts,) if experts else ()
     for (_, field_name), (key, value) in given.items():
-        expected = (history_len,) if field_name == "amax_history" else (1,)
+        expected = (*lead, history_len) if field_name == "amax_history" else (experts or 1,)
         if tuple(value.shape) != expected:
             problems.append(f"{key} has shape {tuple(value.shape)}, expected {expected}")
     return problems
@@ -359,7 +377,7 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
                 continue
             params[pid] = unsharded[pid]
         history_len = _history_len(existing, given)
-        problems += _shape_problems(given, history_len)
+        problems += _shape_problems(given, history_len, _experts(params[pid]))
         where = f"load_recipe_state_dict({names[pid]!r})"
         loads.append((existing, lambda p=params[pid], n=history_len, w=where: state_for(p, n, w), given))
     for site, given in sites.items():

@@ -12,7 +12,7 @@ import te_compile
 from te_compile.gemm.grouped import grouped_mm_f32, grouped_mm_f32_reference, pad_groups, scaled_grouped_mm
 from te_compile.lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from te_compile.quantization import quantize_per_tensor
-from te_compile.recipe import Float8CurrentScaling, Format
+from te_compile.recipe import DelayedScaling, Float8CurrentScaling, Format
 from utils import assert_bitwise_equal, assert_sqnr_at_least, seed, sqnr
 
 E, K, N = 4, 32, 48
@@ -284,8 +284,8 @@ def test_sites_the_pass_leaves_alone_say_why():
     _, report = _compile_report(Odd(), x, offs)
     assert [s.rewritten for s in report.sites] == [True, False], str(report)
     assert "out_features (N)=24 is not divisible by 16" in report.sites[1].reason
-    _, report = _compile_report(Odd(), x, offs, config={"recipe": "DelayedScaling"})
-    assert not any(s.rewritten for s in report.sites) and "DelayedScaling per expert" in report.sites[0].reason
+    _, report = _compile_report(Odd(), x, offs, config={"recipe": "MXFP8BlockScaling"})
+    assert not any(s.rewritten for s in report.sites) and "MXFP8BlockScaling per expert" in report.sites[0].reason
     _, report = _compile_report(Odd(), x, offs, config={"rewrite": {"grouped_linear": False}})
     assert [s.reason for s in report.sites] == ["[rewrite] grouped_linear = false"] * 2, str(report)
 
@@ -308,3 +308,85 @@ def test_transformers_mixtral_experts_are_rewritten(dtype):
     grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
     assert grad is not None and grad.float().abs().sum() > 0
 
+
+
+# ---- DelayedScaling: an amax history per expert and role ----------------------------------------
+
+DELAYED = {"recipe": "DelayedScaling", "amax_history_len": 4}
+
+
+def _delayed_steps(model, x, counts, steps):
+    compiled = torch.compile(model, backend="te", fullgraph=True, options={**OPTIONS, **DELAYED})
+    outs = []
+    for _ in range(steps):
+        y = compiled(x, counts)
+        y.float().square().mean().backward()
+        outs.append(y.detach())
+    return outs
+
+
+def test_delayed_scaling_keeps_a_history_per_expert_and_quantizes_with_the_previous_steps_scales():
+    gen = seed(9)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = GroupedExperts()
+    x, counts = torch.randn(sum(COUNTS), K, generator=gen), torch.tensor(COUNTS)
+    y1, y2 = _delayed_steps(model, x, counts, 2)
+    state = te_compile.recipe_state_dict(model)
+    assert state["w1.input.amax_history"].shape == (E, 4) and state["w1.weight.scale"].shape == (E,)
+    bounds = list(zip([0, *_offs(COUNTS)[:-1].tolist()], _offs(COUNTS).tolist()))
+    xb = x.bfloat16()
+    expected = torch.stack([xb[s:e].abs().amax().float() if e > s else torch.tensor(0.0) for s, e in bounds])
+    assert_bitwise_equal(state["w1.input.amax_history"][:, 0], expected, "newest input amax per expert")
+    assert_bitwise_equal(state["w1.input.amax_history"][:, 1], expected, "the step before (same x)")
+    assert state["w1.input.scale"][1] == 1.0, "an expert without tokens keeps scale 1"
+    assert torch.equal(state["w1.grad_output.amax_history"][1], torch.zeros(4))
+    # step 2 quantized with the scales step 1 left: the lowering with those scales gives its bits
+    # (recomputed here from step 1's histories, the weights as they were: no optimizer step)
+    from te_compile.lowerings.delayed_state import update_role_state
+    recipe = DelayedScaling(amax_history_len=4)
+    scales = {}
+    for name in ("w1", "w3", "w2"):
+        for role in ("input", "weight", "grad_output"):
+            history = state[f"{name}.{role}.amax_history"].clone()
+            history[:, 0], history[:, 1:] = history[:, 1], 0.0   # the history after step 1 alone
+            scale = torch.ones(E)
+            update_role_state(torch.zeros(E, 4), scale, history[:, 0].clone(), role, recipe)
+            scales[name, role] = scale
+    low = GroupedLinearLowering(GroupedLinearSpec("", recipe))
+    offs = _offs(COUNTS)
+
+    def call(name, inp):
+        return low(inp, model._weight(getattr(model, name)), offs, None,
+                   *(scales[name, r] for r in ("input", "weight", "grad_output")))
+
+    h = F.silu(call("w1", xb)) * call("w3", xb)
+    assert_bitwise_equal(y2, call("w2", h).float(), "step 2")
+    assert not torch.equal(y1, y2), "step 1 ran with scale 1, step 2 with the amaxes of step 1"
+
+
+def test_delayed_expert_state_resumes_bitwise_from_a_saved_state_dict(tmp_path):
+    gen = seed(10)
+    x, counts = torch.randn(sum(COUNTS), K, generator=gen), torch.tensor(COUNTS)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = GroupedExperts()
+    resumed = GroupedExperts()
+    resumed.load_state_dict(model.state_dict())
+    _delayed_steps(model, x, counts, 2)
+    torch.save(te_compile.recipe_state_dict(model), tmp_path / "recipe.pt")
+    te_compile.load_recipe_state_dict(resumed, torch.load(tmp_path / "recipe.pt", weights_only=True))
+    resumed.load_state_dict(model.state_dict())   # the same weights and gradients-to-be
+    [y_model] = _delayed_steps(model, x, counts, 1)
+    [y_resumed] = _delayed_steps(resumed, x, counts, 1)
+    assert_bitwise_equal(y_resumed, y_model, "step 3 after the resume")
+    a, b = te_compile.recipe_state_dict(model), te_compile.recipe_state_dict(resumed)
+    assert a.keys() == b.keys()
+    for key in a:
+        assert_bitwise_equal(b[key], a[key], key)
+
+
+def test_loading_expert_state_of_the_wrong_shape_names_the_key_and_the_shape():
+    with pytest.raises(RuntimeError, match=r"w1.input.scale has shape \(1,\), expected \(4,\)"):
+        te_compile.load_recipe_state_dict(GroupedExperts(), {
+            "w1.input.scale": torch.ones(1), "w1.input.amax_history": torch.zeros(E, 4)}, strict=False)

@@ -44,8 +44,8 @@ __all__ = ["DelayedScalingUpdate", "UpdateSpec", "update_role_state"]
 
 def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
                       recipe: DelayedScaling) -> None:
-    """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place.
-    ``role``: a state role (recipe.GEMM_ROLES or ATTENTION_ROLES), which picks the FP8 format.
+    """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place
+    (or per expert: amax [E], history [E, L], scale [E]). ``role``: a state role (recipe.GEMM_ROLES or ATTENTION_ROLES), which picks the FP8 format.
 
     A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
     so the history stays finite and scaling follows the data again from the next finite step.
@@ -73,9 +73,19 @@ class UpdateSpec:
     groups: tuple[tuple[AmaxGroup, ...], ...] = ()
     # per state: its roles, in the order of its tensors; () when every state is a weight's (GEMM_ROLES)
     roles: tuple[tuple[str, ...], ...] = ()
+    # per state: how many experts it keeps a history for (a 3-D expert weight's E; 0 for one history
+    # per role); () when no state is an expert weight's
+    experts: tuple[int, ...] = ()
 
     def roles_of(self, j: int) -> tuple[str, ...]:
         return self.roles[j] if self.roles else GEMM_ROLES
+
+    def experts_of(self, j: int) -> int:
+        return self.experts[j] if self.experts else 0
+
+    def carrier_size(self, j: int) -> int:
+        """Amaxes a site of state ``j`` returns: one per role, or per role and expert ([roles, E] flat)."""
+        return len(self.roles_of(j)) * max(1, self.experts_of(j))
 
     def state_offsets(self) -> list[int]:
         """Where each state's tensors start in the flat state list (2 per role), and the total last."""
@@ -92,7 +102,7 @@ class _AmaxCarriers(torch.autograd.Function):
         ctx.set_materialize_grads(False)  # a site whose backward never ran contributes nothing
         ctx.save_for_backward(*state)
         device = state[0].device
-        return tuple(torch.zeros(len(spec.roles_of(j)), dtype=torch.float32, device=device)
+        return tuple(torch.zeros(spec.carrier_size(j), dtype=torch.float32, device=device)
                      for j in spec.site_weights)
 
     @staticmethod
@@ -129,8 +139,12 @@ def _update_states(spec: UpdateSpec, state, weights: list[int], combined: list[t
     for j, amax in zip(weights, combined):
         recipe = spec.recipes[j]
         tensors = state[offsets[j]:offsets[j + 1]]
+        experts = spec.experts_of(j)
         for r, role in enumerate(spec.roles_of(j)):
             history, scale = tensors[2 * r], tensors[2 * r + 1]
+            if experts:   # histories [E, L], scales [E]: all experts of the role in a few plain ops
+                update_role_state(history, scale, amax[r * experts:(r + 1) * experts], role, recipe)
+                continue
             if not _batchable(recipe):
                 update_role_state(history, scale, amax[r:r + 1], role, recipe)
                 continue
@@ -147,7 +161,7 @@ class DelayedScalingUpdate:
     """Callable inserted at the start of a graph: ``(anchor, *state) -> carriers``, one per site.
 
     state: per state entry, per role of ``spec.roles_of(entry)``, (amax_history [L], scale [1]) — the
-    order of ``te_compile.state.RoleStates.tensors()``.
+    order of ``te_compile.state.RoleStates.tensors()``; an expert weight's are [E, L] and [E].
     """
 
     def __init__(self, spec: UpdateSpec) -> None:

@@ -7,7 +7,9 @@ expert's rows. y [M, N]: rows offs[e-1]:offs[e] times w[e]; rows from offs[-1] o
 
 Per-tensor FP8 per expert, as GroupedLinear gives each GEMM its own quantizers: one scale for each
 expert's token rows, one per expert weight, one per expert slice of grad_output (HYBRID: E4M3
-forward, E5M2 gradients). An expert without tokens has amax 0, so scale 1, and contributes zero
+forward, E5M2 gradients). Current scaling computes them from this call's amaxes; DelayedScaling
+reads them from the weight's state (an amax history per expert and role, te_compile.state) and
+hands this call's amaxes to the graph's one update node (delayed_state.py). An expert without tokens has amax 0, so scale 1, and contributes zero
 rows and a zero weight gradient. The GEMMs (te_compile.gemm.grouped) apply the scales to the fp32
 accumulator, as torch._scaled_grouped_mm does:
 - fprop  y  = x @ w[e]        : xq [M, K] E4M3, wq [E, N, K] E4M3 read as [E, K, N]
@@ -19,6 +21,7 @@ Only the FP8 copies of x and w are saved for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -51,54 +54,66 @@ def _per_column(scale_inv: torch.Tensor, columns: int) -> torch.Tensor:
     return scale_inv[:, None].expand(scale_inv.shape[0], columns)
 
 
-def grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, *, out_dtype):
+def grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale=None, *, out_dtype):
     """The forward grouped GEMM from an FP8 input made by the caller: y [M, N] = xq @ quantize(w)[e]
-    per expert. xq: [M, K] fp8; x_sinv: [E]; groups: int64 [M] (``group_index``); w_ekn: [E, K, N].
-    Returns (y, wq [E, N, K] contiguous: saved for dgrad, w's scale_inv [E])."""
-    wq, w_sinv, _ = quantize_per_expert(w_ekn.transpose(1, 2), "weight", recipe)
+    per expert. xq: [M, K] fp8; x_sinv: [E]; groups: int64 [M] (``group_index``); w_ekn: [E, K, N];
+    w_scale: DelayedScaling's [E], else None. Returns (y, wq [E, N, K] contiguous: saved for dgrad,
+    w's scale_inv [E], w's amax [E])."""
+    wq, w_sinv, w_amax = quantize_per_expert(w_ekn.transpose(1, 2), "weight", recipe, w_scale)
     wq = wq.contiguous()
     y = scaled_grouped_mm(xq, wq.transpose(1, 2), _per_row(x_sinv, groups), _per_column(w_sinv, wq.shape[1]),
                           offs, out_dtype)
-    return y, wq, w_sinv
+    return y, wq, w_sinv, w_amax
 
 
-def grouped_dgrad_wgrad(grad_y, groups, offs, recipe, wq, w_sinv, xq, x_sinv, *, dx_dtype, dw_dtype):
+def grouped_dgrad_wgrad(grad_y, groups, offs, recipe, wq, w_sinv, xq, x_sinv, g_scale=None, *, dx_dtype,
+                        dw_dtype):
     """The backward grouped GEMMs from the saved FP8 operands; grad_y [M, N] is quantized here per
-    expert. dx [M, K] in ``dx_dtype`` (None: not needed); dw [E, N, K] in ``dw_dtype`` (None: not
-    needed). Returns (dx, dw)."""
+    expert (with DelayedScaling's ``g_scale`` [E], else its own amaxes). dx [M, K] in ``dx_dtype``
+    (None: not needed); dw [E, N, K] in ``dw_dtype`` (None: not needed). Returns (dx, dw, g_amax [E])."""
     experts, n, k = wq.shape
-    gq, g_sinv, _ = quantize_rows_per_group(grad_y, groups, experts, "grad_output", recipe)
+    gq, g_sinv, g_amax = quantize_rows_per_group(grad_y, groups, experts, "grad_output", recipe, g_scale)
     dx = dw = None
     if dx_dtype is not None:
         dx = scaled_grouped_mm(gq, wq, _per_row(g_sinv, groups), _per_column(w_sinv, k), offs, dx_dtype)
     if dw_dtype is not None:
         dw = scaled_grouped_mm(gq.t(), xq, _per_column(g_sinv, n).reshape(-1), _per_column(x_sinv, k).reshape(-1),
                                offs, dw_dtype)
-    return dx, dw
+    return dx, dw, g_amax
 
 
 class Fp8GroupedLinearFunction(torch.autograd.Function):
-    """Per-tensor FP8 per expert (current scaling). x: [M, K], w_ekn: [E, K, N], offs: int32 [E]."""
+    """Per-tensor FP8 per expert. x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
+
+    DelayedScaling passes its per-expert scales (fp32 [E] each: input, weight, grad_output), read only,
+    and, when a backward follows, ``carrier``: the backward returns this call's amaxes as the carrier's
+    gradient, [input, weight, grad_output] x [E] flat, which delayed_state.py folds into the expert
+    histories once per step. Current scaling passes None for all four.
+    """
 
     @staticmethod
-    def forward(ctx, x, w_ekn, offs, recipe):
+    def forward(ctx, x, w_ekn, offs, recipe, carrier, x_scale, w_scale, g_scale):
         groups = group_index(offs, x.shape[0])
-        xq, x_sinv, _ = quantize_rows_per_group(x, groups, w_ekn.shape[0], "input", recipe)
-        y, wq, w_sinv = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, out_dtype=x.dtype)
+        xq, x_sinv, x_amax = quantize_rows_per_group(x, groups, w_ekn.shape[0], "input", recipe, x_scale)
+        y, wq, w_sinv, w_amax = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale, out_dtype=x.dtype)
         ctx.recipe = recipe
         ctx.dtypes = (x.dtype, w_ekn.dtype)
-        ctx.save_for_backward(xq, x_sinv, wq, w_sinv, offs, groups)
+        ctx.has_g_scale = g_scale is not None
+        ctx.save_for_backward(xq, x_sinv, wq, w_sinv, offs, groups, torch.cat([x_amax, w_amax]),
+                              *((g_scale,) if g_scale is not None else ()))
         ctx.mark_non_differentiable(offs)
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
-        xq, x_sinv, wq, w_sinv, offs, groups = ctx.saved_tensors
+        xq, x_sinv, wq, w_sinv, offs, groups, xw_amax, *g_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        dx, dw = grouped_dgrad_wgrad(grad_y, groups, offs, ctx.recipe, wq, w_sinv, xq, x_sinv,
-                                     dx_dtype=x_dtype if ctx.needs_input_grad[0] else None,
-                                     dw_dtype=w_dtype if ctx.needs_input_grad[1] else None)
-        return dx, None if dw is None else dw.transpose(1, 2), None, None
+        dx, dw, g_amax = grouped_dgrad_wgrad(grad_y, groups, offs, ctx.recipe, wq, w_sinv, xq, x_sinv,
+                                             g_scale[0] if g_scale else None,
+                                             dx_dtype=x_dtype if ctx.needs_input_grad[0] else None,
+                                             dw_dtype=w_dtype if ctx.needs_input_grad[1] else None)
+        carrier_grad = torch.cat([xw_amax, g_amax]) if ctx.needs_input_grad[4] else None
+        return dx, None if dw is None else dw.transpose(1, 2), None, None, carrier_grad, None, None, None
 
 
 class GroupedLinearLowering:
@@ -106,21 +121,25 @@ class GroupedLinearLowering:
     docstring: shapes). The output has x's dtype, as ``torch._grouped_mm``'s does."""
 
     def __init__(self, spec: GroupedLinearSpec) -> None:
-        if not spec.recipe.per_tensor or spec.recipe.delayed():
-            raise ValueError(f"grouped GEMMs are lowered for Float8CurrentScaling, got {spec.recipe.name}")
+        if not spec.recipe.per_tensor:
+            raise ValueError(f"grouped GEMMs are lowered for the per-tensor recipes (Float8CurrentScaling, "
+                             f"DelayedScaling), got {spec.recipe.name}")
         self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
         self.__name__ = f"te_grouped_linear_{spec.recipe.name}"
         self.__qualname__ = self.__name__
         self.__module__ = __name__
 
-    def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor,
+                 *delayed: Optional[torch.Tensor]) -> torch.Tensor:
+        """delayed: DelayedScaling's (carrier or None, input, weight, grad_output scales [E] each)."""
         offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
+        state = delayed or (None,) * 4
         if self.spec.align == 1:
-            return Fp8GroupedLinearFunction.apply(x, w_ekn, offs, self.spec.recipe)
+            return Fp8GroupedLinearFunction.apply(x, w_ekn, offs, self.spec.recipe, *state)
         # every expert's rows padded with zero rows to the GEMM's alignment, and gathered back after
         dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], self.spec.align)
         x_padded = x.new_zeros(padded_rows, x.shape[1]).index_copy(0, dest, x)
-        y = Fp8GroupedLinearFunction.apply(x_padded, w_ekn, padded_offs, self.spec.recipe)
+        y = Fp8GroupedLinearFunction.apply(x_padded, w_ekn, padded_offs, self.spec.recipe, *state)
         return y.index_select(0, dest)
 
     def __repr__(self) -> str:

@@ -1,7 +1,8 @@
 """DelayedScaling state as extra inputs of a compiled graph, and the graph's one update node.
 
 Dynamo reuses one compiled graph for every instance of a module class, so state cannot be baked into
-the graph: each stateful weight gets six extra placeholders (per role: amax_history [L], scale [1]),
+the graph: each stateful weight gets six extra placeholders (per role: amax_history [L], scale [1];
+[E, L] and [E] for a 3-D expert weight),
 each SDPA site's state eight (query, key, value, grad_output), appended after Dynamo's inputs, and
 the backend's wrapper passes that weight's or site's tensors (te_compile.state) at every call. Sites
 read only the scales; the update happens once per graph and step in ``DelayedScalingUpdate``
@@ -83,6 +84,7 @@ class _Weight:
     nodes: list[fx.Node]        # its top-level placeholders, in RoleStates.tensors() order
     groups: tuple = ()          # the groups its amaxes are all-reduced over (all its sites')
     roles: tuple = GEMM_ROLES
+    experts: int = 0            # a 3-D expert weight's E: one history per expert and role
 
 
 @dataclass
@@ -112,7 +114,8 @@ class DelayedState:
                 state.sites.append(fqn)
             self.inputs.append(StateInput(param.index, recipe.amax_history_len, where))
             nodes = self._placeholders(f"te_state_{len(self._weights)}", state.tensors())
-            weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes)
+            weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes,
+                                                              experts=state.experts)
         elif weight.recipe != recipe:
             return (f"its weight {param.name} is also used by {weight.fqn or '<root>'} under another "
                     f"DelayedScaling config; one weight keeps one state")
@@ -157,9 +160,10 @@ class DelayedState:
             weights = sorted(self._weights.values(), key=lambda w: w.index)
             groups = tuple(w.groups for w in weights)
             roles = tuple(w.roles for w in weights)
+            experts = tuple(w.experts for w in weights)
             self._update.target = DelayedScalingUpdate(UpdateSpec(
                 tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else (),
-                roles if any(r != GEMM_ROLES for r in roles) else ()))
+                roles if any(r != GEMM_ROLES for r in roles) else (), experts if any(experts) else ()))
             self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
         return self.inputs
 
@@ -201,7 +205,7 @@ class DelayedState:
         fake_mode = detect_fake_mode(self.example_inputs)
         if fake_mode is not None:
             with fake_mode:
-                carrier.meta["example_value"] = torch.zeros(len(weight.roles), device=device)
+                carrier.meta["example_value"] = torch.zeros(len(weight.roles) * max(1, weight.experts), device=device)
         self._carriers.append(carrier)
         self._site_weights.append(weight.index)
         return carrier

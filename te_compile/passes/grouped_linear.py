@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..distributed import is_dtensor
+from ..distributed import describe_groups, is_dtensor
 from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_native_grouped_gemm
 from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from ..quantization import FLOAT_DTYPES
@@ -33,9 +33,9 @@ def _shapes(site: GroupedSite) -> str:
 
 def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
     """Why the site cannot run under ``recipe``, or None."""
-    if not recipe.per_tensor or recipe.delayed():
-        return (f"grouped GEMMs are lowered under Float8CurrentScaling; {recipe.name} per expert is not "
-                f"built yet (left in high precision)")
+    if not recipe.per_tensor:
+        return (f"grouped GEMMs are lowered under Float8CurrentScaling and DelayedScaling; {recipe.name} "
+                f"per expert is not built yet (left in high precision)")
     x, w = value_of(site.x), value_of(site.weight)
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
@@ -85,15 +85,27 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         if reason is not None:
             record(False, reason, recipe.name)
             continue
+        extra, collectives = [], ""
+        if recipe.delayed():
+            groups = (ctx.amax_group,) if recipe.reduce_amax and ctx.amax_group is not None else ()
+            # a carrier only where autograd will run this call's backward
+            backward = bool(getattr(site.node.meta.get("example_value"), "requires_grad", False))
+            extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, backward, groups)
+            if isinstance(extra, str):
+                record(False, extra, recipe.name)
+                continue
+            if groups:
+                collectives = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step"
         spec = GroupedLinearSpec(site.fqn, recipe, _align(site, recipe))
-        planned.append((site, GroupedLinearLowering(spec)))
+        planned.append((site, GroupedLinearLowering(spec), extra))
         x = value_of(site.x)
         layout = "[E, in, out]" if site.weight_in_out else "[E, out, in]"
-        record(True, f"{site.op_name} -> {grouped_gemm_kind(x.dtype, x.device)}; per-expert scales, "
-                     f"weight {layout} ({why})", recipe.name)
-    for site, lowering in reversed(planned):   # consumers first, as in the linear pass
+        scales = "per-expert amax histories" if recipe.delayed() else "per-expert scales"
+        record(True, f"{site.op_name} -> {grouped_gemm_kind(x.dtype, x.device)}; {scales}, "
+                     f"weight {layout} ({why})", recipe.name, collectives)
+    for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
         with scope.graph.inserting_before(site.node):
-            new = scope.graph.call_function(lowering, (site.x, site.weight, site.offs))
+            new = scope.graph.call_function(lowering, (site.x, site.weight, site.offs, *extra))
         new.meta.update(site.node.meta)
         site.node.replace_all_uses_with(new)
         scope.graph.erase_node(site.node)
