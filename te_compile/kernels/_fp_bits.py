@@ -146,4 +146,6 @@ if HAS_TRITON:
         exp_bits = ((mag >> 1) - 1 + 127) << 23
         normal = exp_bits.to(tl.float32, bitcast=True) * (1.0 + (mag & 1).to(tl.float32) * 0.5)
         value = tl.where(mag < 2, mag.to(tl.float32) * 0.5, normal)
-        return tl.where((code & 8) != 0, -value, value)
+        # the sign as a bit: Triton's unary minus is 0 - x, which makes code 8 +0.0 on a GPU, not -0.0
+        sign = ((code >> 3) & 1) << 31
+        return (value.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

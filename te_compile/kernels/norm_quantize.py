@@ -152,15 +152,16 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from te_compile.kernels._fp_bits import fp32_to_fp8_bits, mul_rn
-    from te_compile.kernels._fp_bits import round_fp32_to as _round
+    # imported under their own names: inductor copies a triton_op kernel's helpers into its generated
+    # module by the helpers' __name__, so an alias (``as _round``) leaves the caller's name undefined
+    from te_compile.kernels._fp_bits import fp32_to_fp8_bits, mul_rn, round_fp32_to
 
     @triton.jit
     def _output(xhat, w, b, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ZERO_CENTERED: tl.constexpr,
                 PRE: tl.constexpr, PROD: tl.constexpr, C0: tl.constexpr, C1: tl.constexpr,
                 C2: tl.constexpr):
         """h from xhat [R, C] and w, b [1, C] (fp32), as ``_weighted``."""
-        h = _round(xhat, PRE)
+        h = round_fp32_to(xhat, PRE)
         if HAS_W:
             if ZERO_CENTERED:
                 w = w + 1.0
@@ -168,7 +169,7 @@ if HAS_TRITON:
             h = mul_rn(h, w)
         if HAS_B:
             h = h + b
-        return _round(_round(_round(_round(h, PROD), C0), C1), C2)
+        return round_fp32_to(round_fp32_to(round_fp32_to(round_fp32_to(h, PROD), C0), C1), C2)
 
     @triton.jit
     def _load_wb(w_ptr, b_ptr, cols, cmask, HAS_W: tl.constexpr, HAS_B: tl.constexpr):
@@ -228,8 +229,9 @@ if HAS_TRITON:
         else:
             mean = tl.zeros((BLOCK_M,), tl.float32)
             var = first
-        # IEEE sqrt and division: the default fp32 ops compile to approximations on GPUs
-        sd = tl.sqrt_rn(var + eps)
+        # IEEE sqrt and division: the default fp32 ops compile to approximations on GPUs. eps arrives as
+        # fp32 from a direct launch but as fp64 through wrap_triton inside inductor; torch adds it in fp32
+        sd = tl.sqrt_rn(var + tl.cast(eps, tl.float32))
         rstd = tl.math.div_rn(tl.full(sd.shape, 1.0, tl.float32), sd)
         tl.store(mean_ptr + rows, mean, mask=rmask)
         tl.store(rstd_ptr + rows, rstd, mask=rmask)
@@ -300,7 +302,9 @@ if HAS_TRITON:
             w = tl.load(w_ptr + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
             if ZERO_CENTERED:
                 w = w + 1.0
-            dxhat = dy * w
+            # rounded as its own multiply: ptxas would fuse it with pass 2's dxhat - mean(dxhat) into
+            # one FMA that keeps the product's rounding error, times rstd (dx != 0 for K = 1, seen on an H200)
+            dxhat = mul_rn(dy, w)
         return dy, xhat, dxhat
 
     @triton.jit
@@ -334,7 +338,7 @@ if HAS_TRITON:
             dy, xhat, dxhat = _backward_tile(dy_ptr, x_ptr, w_ptr, rows, cols, cmask, mask, mean, rstd,
                                              stride_dym, stride_xm, IS_LN, HAS_W, ZERO_CENTERED)
             if HAS_W:
-                seen = tl.where(mask, _round(xhat, PRE), 0.0)
+                seen = tl.where(mask, round_fp32_to(xhat, PRE), 0.0)
                 tl.store(dw_part_ptr + pid * K + cols, tl.sum(dy * seen, axis=0), mask=cmask)
                 tl.store(db_part_ptr + pid * K + cols, tl.sum(dy, axis=0), mask=cmask)
             if IS_LN:
