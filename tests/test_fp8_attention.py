@@ -259,7 +259,9 @@ def test_triton_forward_matches_reference(case):
     finite = torch.isfinite(lse_ref)
     # the same algorithm: equal up to the order of the dot products' fp32 sums (and one rounding
     # of the output to its dtype)
-    torch.testing.assert_close(lse[finite], lse_ref[finite], rtol=0, atol=2e-6 if KERNEL_DEVICE == "cpu" else 1e-4)
+    # (on CUDA also of exp2/log2, which round differently: 2.8e-5 relative seen on an H100)
+    torch.testing.assert_close(lse[finite], lse_ref[finite], **(dict(rtol=0, atol=2e-6) if KERNEL_DEVICE == "cpu"
+                                                                else dict(rtol=1e-4, atol=1e-4)))
     tol = dict(rtol=0, atol=5e-7) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=0)
     _assert_kernel_close(o, o_ref, tol, "o")
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from te_compile.kernels._fp_bits import HAS_TRITON
-from utils import FLT_MAX, FP8_DTYPES, FP8_MAX, assert_bitwise_equal, fp8_id
+from utils import FLT_MAX, FP8_DTYPES, FP8_MAX, assert_bitwise_equal, fp8_id, on_kernel_device
 
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 
@@ -79,7 +79,7 @@ def _inputs(device="cpu") -> torch.Tensor:
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_id)
 def test_casts_match_torch(fp8_dtype):
     x = _inputs()
-    fp8, e4m3, e2m1, e2m1_val = _run(x, fp8_dtype)
+    fp8, e4m3, e2m1, e2m1_val = on_kernel_device(_run)(x, fp8_dtype)
     fmax = FP8_MAX[fp8_dtype]
     assert_bitwise_equal(fp8, x.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8), f"{fp8_id(fp8_dtype)} bytes")
     # NaN payloads may differ; NaN positions may not

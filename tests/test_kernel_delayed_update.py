@@ -20,7 +20,7 @@ from te_compile.kernels.delayed_update import (
 from te_compile.lowerings.delayed_state import update_role_state
 from te_compile.recipe import DelayedScaling
 from te_compile.scaling import fp8_max
-from utils import FLT_MAX, assert_bitwise_equal, seed
+from utils import FLT_MAX, assert_bitwise_equal, seed, KERNEL_DEVICE, on_kernel_device
 
 # numpy's warnings from the interpreter's divisions by 0 / inf / NaN amaxes (the edges under test)
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
@@ -161,7 +161,7 @@ def test_self_test_passes_in_the_interpreter_and_fails_closed(monkeypatch, caplo
     that raises or returns other bits fails it with a warning, and the dispatcher then uses the
     reference."""
     monkeypatch.setattr(module, "_SELF_TESTS", {})
-    assert kernel_self_test(torch.device("cpu")) == (True, "bit for bit equal to the reference")
+    assert kernel_self_test(KERNEL_DEVICE) == (True, "bit for bit equal to the reference")
 
     def raises(*args):
         raise RuntimeError("PTX assembly failed")
@@ -174,6 +174,10 @@ def test_self_test_passes_in_the_interpreter_and_fails_closed(monkeypatch, caplo
         monkeypatch.setattr(module, "_SELF_TESTS", {})
         monkeypatch.setattr(module, "delayed_update_triton", broken)
         caplog.clear()
-        ok, reason = kernel_self_test(torch.device("cpu"))
+        ok, reason = kernel_self_test(KERNEL_DEVICE)
         assert not ok and why in reason
-        assert "update kernel is off on cpu" in caplog.text and why in caplog.text
+        assert f"update kernel is off on {KERNEL_DEVICE.type}" in caplog.text and why in caplog.text
+
+
+# CPU-built operands run on the GPU where there is one (tests/utils.py)
+delayed_update_triton = on_kernel_device(delayed_update_triton)

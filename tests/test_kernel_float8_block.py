@@ -31,7 +31,12 @@ from utils import (
     ref_scale_inv,
     seed,
     sqnr,
+    on_kernel_device,
 )
+
+# CPU-built operands run on the GPU where there is one (tests/utils.py)
+float8_block_quantize_triton = on_kernel_device(float8_block_quantize_triton)
+
 
 # numpy in the Triton interpreter warns on the inf/NaN lanes the kernel then masks with tl.where
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning:triton.runtime.interpreter")

@@ -20,7 +20,7 @@ from te_compile.kernels.mxfp8_quantize import (
     mxfp8_quantize_reference,
     mxfp8_quantize_triton,
 )
-from utils import FLT_MAX, FP8_DTYPES, FP8_MAX, assert_bitwise_equal, fp8_id, seed, sqnr
+from utils import FLT_MAX, FP8_DTYPES, FP8_MAX, assert_bitwise_equal, fp8_id, seed, sqnr, on_kernel_device
 
 # The interpreter evaluates both branches of tl.where in numpy (NaN * 0, NaN -> int casts) and warns.
 pytestmark = pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")
@@ -403,3 +403,7 @@ def test_cuda_triton_matches_reference(shape, fp8_dtype):
     ref_data, ref_scale = mxfp8_quantize_reference(special.cpu(), fp8_dtype)
     assert_bitwise_equal(scale.cpu(), ref_scale, "special scale")
     assert_bitwise_equal(data.cpu(), ref_data, "special data")
+
+
+# CPU-built operands run on the GPU where there is one (tests/utils.py)
+mxfp8_quantize_triton = on_kernel_device(mxfp8_quantize_triton)

@@ -26,7 +26,7 @@ from te_compile.kernels.nvfp4_quantize import (
     unpack_e2m1,
 )
 from te_compile.tensor.rht import RHT_SIGNS, apply_rht, rht_matrix, undo_rht
-from utils import FLT_MAX, assert_bitwise_equal, seed, sqnr
+from utils import FLT_MAX, assert_bitwise_equal, seed, sqnr, on_kernel_device
 
 needs_triton = pytest.mark.skipif(not HAS_TRITON, reason="needs triton")
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -467,3 +467,7 @@ def test_gpu_kernel_matches_reference(tile_rows, stochastic):
         for name, a, b, c in zip(("data", "scale"), out, ref, cpu):
             assert_bitwise_equal(a.cpu(), b.cpu(), f"{name} {shape}: kernel vs cuda reference")
             assert_bitwise_equal(b.cpu(), c, f"{name} {shape}: cuda vs cpu reference")
+
+
+# CPU-built operands run on the GPU where there is one (tests/utils.py)
+nvfp4_quantize_triton = on_kernel_device(nvfp4_quantize_triton)

@@ -200,3 +200,35 @@ def run_ranks(fn, tmp_path, *args, world: int = 2) -> list:
 
     mp.spawn(_rank_entry, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+# Where the Triton launchers run in the kernel tests: on a CUDA machine the kernels compile for the
+# GPU (conftest sets TRITON_INTERPRET only without one), so CPU-built operands must move there.
+KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def on_kernel_device(launcher):
+    """``launcher`` called with its tensor arguments (lists of tensors too) on KERNEL_DEVICE and its
+    tensor results brought back to the CPU, so tests build operands and references on the CPU either
+    way. Arguments the launcher writes in place (delayed_update's histories and scales) are copied back
+    into the caller's tensors; a no-op on CPU-only machines."""
+    if KERNEL_DEVICE.type == "cpu":
+        return launcher
+    from torch.utils._pytree import tree_map
+
+    def call(*args, **kwargs):
+        moved = []
+
+        def to_device(t):
+            if isinstance(t, torch.Tensor) and t.device.type == "cpu":
+                d = t.to(KERNEL_DEVICE)
+                moved.append((t, d))
+                return d
+            return t
+
+        out = launcher(*tree_map(to_device, args), **tree_map(to_device, kwargs))
+        for host, dev in moved:   # unchanged inputs copy back their own values
+            host.copy_(dev)
+        return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
+
+    return call
