@@ -28,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import traceback
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -263,6 +264,8 @@ def run_provider(provider: Provider, build: Callable, device: torch.device,
         step = build(provider.prepare)
         first, median = time_step(step, device, args.iters, args.warmup)
     except Exception as e:  # one provider failing must not hide the others' results
+        # the whole traceback on stderr: the table keeps one line, and a lent GPU's log is all there is
+        traceback.print_exc()
         msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return None, None, f"failed: {type(e).__name__}: {msg[:120]}"
     return first, median, provider.note

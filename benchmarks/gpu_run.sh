@@ -9,6 +9,9 @@
 #   bash benchmarks/gpu_run.sh suite-d    # gpu_suite: the block step measured beside project_gpu.py
 #   bash benchmarks/gpu_run.sh profile    # profile_step (inductor, CS, DS), bench_attention
 #   bash benchmarks/gpu_run.sh all-tests  # the whole suite
+#   bash benchmarks/gpu_run.sh lease      # one 15-minute lease: tests, then suite-b, then suite-a,
+#                                         # each under its own timeout so a slow part cannot eat the rest
+#   bash benchmarks/gpu_run.sh lease-2    # the next lease: tests again, FP8 attention, then suite-c
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -19,8 +22,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -65,6 +68,36 @@ case "$part" in
             "$PY" benchmarks/profile_step.py --recipe "$recipe" 2>&1 | tee "$OUT/profile-$recipe.txt" | tail -45
         done
         "$PY" benchmarks/bench_attention.py --device cuda 2>&1 | tee "$OUT/attention.txt" | tail -20
+        ;;
+    lease|lease-2)
+        # torchao (carried as a wheel in .whl, see the device tool's README) for the linear rows
+        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
+                > "$OUT/torchao-install.log" 2>&1 && export PYTHONPATH=/tmp/site
+        fi
+        start=$SECONDS
+        timeout 200 "$PY" -m pytest -q -rfEs -n 8 -p no:cacheprovider tests/test_kernel_*.py tests/test_fp_bits.py \
+            tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py tests/test_fp8_attention.py \
+            tests/test_kernels_compile.py tests/test_experiment_*.py > "$OUT/tests.log" 2>&1
+        echo "tests: rc $? in $((SECONDS - start)) s"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -3
+        grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -30
+        if [ "$part" = lease-2 ]; then
+            start=$SECONDS
+            timeout 100 "$PY" benchmarks/bench_attention.py --device cuda > "$OUT/attention.txt" 2>&1
+            echo "attention: rc $? in $((SECONDS - start)) s"; tail -15 "$OUT/attention.txt"
+            start=$SECONDS
+            timeout 160 "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
+                --recipes Float8CurrentScaling DelayedScaling > "$OUT/suite-c.txt" 2>&1
+            echo "suite-c: rc $? in $((SECONDS - start)) s"; tail -20 "$OUT/suite-c.txt"
+            exit 0
+        fi
+        start=$SECONDS
+        timeout 150 "$PY" benchmarks/gpu_suite.py --no-append --only linear --iters 30 \
+            --recipes Float8CurrentScaling DelayedScaling MXFP8BlockScaling > "$OUT/suite-b.txt" 2>&1
+        echo "suite-b: rc $? in $((SECONDS - start)) s"; tail -25 "$OUT/suite-b.txt"
+        start=$SECONDS
+        timeout 110 "$PY" benchmarks/gpu_suite.py --no-append --only quantize epilogue norm > "$OUT/suite-a.txt" 2>&1
+        echo "suite-a: rc $? in $((SECONDS - start)) s"; tail -45 "$OUT/suite-a.txt"
         ;;
     all-tests)
         "$PY" -m pytest -q -rs 2>&1 | tee "$OUT/all-tests.log" | tail -40
