@@ -162,14 +162,16 @@ def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optio
 
 
 def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: int, role: str, recipe: Recipe,
-                            scale: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                            scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per-tensor FP8 of each group of rows, a group being one expert's tokens: (fp8 data [R, C],
     scale_inv [num_groups], amax [num_groups]).
 
     t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group are cast with
-    scale 1 and read by no GEMM). scale: None for current scaling, else delayed scaling's [num_groups].
+    scale 1 and read by no GEMM). scale: None for current scaling, else delayed scaling's [num_groups];
+    amax: the groups' amaxes [num_groups] when the caller has them, else computed here.
     """
-    amax = group_amax(t, groups, num_groups)
+    amax = group_amax(t, groups, num_groups) if amax is None else amax
     if scale is None:
         scale = current_scale(amax, role, recipe)
     row_scale = torch.cat([scale, scale.new_ones(1)])[groups.clamp(max=num_groups)]

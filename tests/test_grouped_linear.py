@@ -304,6 +304,8 @@ def test_transformers_mixtral_experts_are_rewritten(dtype):
     op = "grouped_mm ->" if dtype == torch.bfloat16 else "grouped_mm_fallback ->"
     assert [(s.fqn, s.rewritten) for s in rows] == [("model.layers.0.mlp.experts", True)] * 2, str(report)
     assert all(op in s.reason for s in rows)
+    [act] = [s for s in report.sites if s.op == "swiglu"]
+    assert act.rewritten and act.reason == "fused into model.layers.0.mlp.experts (grouped GEMM)", str(report)
     out.loss.backward()
     grad = model.model.layers[0].mlp.experts.gate_up_proj.grad
     assert grad is not None and grad.float().abs().sum() > 0
@@ -390,3 +392,33 @@ def test_loading_expert_state_of_the_wrong_shape_names_the_key_and_the_shape():
     with pytest.raises(RuntimeError, match=r"w1.input.scale has shape \(1,\), expected \(4,\)"):
         te_compile.load_recipe_state_dict(GroupedExperts(), {
             "w1.input.scale": torch.ones(1), "w1.input.amax_history": torch.zeros(E, 4)}, strict=False)
+
+
+# ---- the activation between the expert GEMMs ----------------------------------------------------
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_swiglu_fused_into_the_second_grouped_gemm_gives_the_unfused_bits(recipe):
+    gen = seed(11)
+    x, counts = torch.randn(sum(COUNTS), K, generator=gen), torch.tensor(COUNTS)
+    results = []
+    for fuse in (True, False):
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = GroupedExperts()
+        compiled = torch.compile(model, backend="te", fullgraph=True,
+                                 options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
+        outs = []
+        for _ in range(2):   # DelayedScaling: the second step reads the state the first one left
+            y = compiled(x, counts)
+            y.float().square().mean().backward()
+            outs.append(y.detach())
+        [row] = [s for s in te_compile.report().sites if s.op == "swiglu"]
+        assert row.rewritten == fuse and (not fuse or row.reason == "fused into <root> (grouped GEMM)"), row
+        results.append((model.state_dict(), outs, {n: p.grad for n, p in model.named_parameters()}))
+    (_, fused, fused_grads), (_, plain, plain_grads) = results
+    for step, (a, b) in enumerate(zip(fused, plain)):
+        assert_bitwise_equal(a, b, f"output, step {step + 1}")
+    for name in fused_grads:
+        assert_bitwise_equal(fused_grads[name], plain_grads[name], f"{name}.grad")

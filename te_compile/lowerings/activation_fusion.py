@@ -11,6 +11,10 @@ LayerNormMLP): ``ActivationLinearLowering(spec)(h, u, shape, weight, bias, *dela
                                      the model's own ops copied out of its graph; backward
                                      differentiates them with autograd
 
+The same fusion in front of an MoE layer's second grouped GEMM (the SwiGLU between the experts'
+GEMMs): ``ActivationGroupedLinearLowering(spec, grouped)(h, u, shape, w, offs, *delayed)``, per-expert
+scales as grouped_linear.py's.
+
 Forward computes a, its amax and its FP8 bytes and runs the GEMM: the same ops, hence the same bytes,
 as te's unfused path. What is saved differs: the activation's input (which its backward needs
 anyway) and the FP8 scale, not the FP8 copy of a: backward recomputes a's bytes for the wgrad GEMM
@@ -27,14 +31,17 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
-from ..quantization import current_scale, quantize_per_tensor
+from ..quantization import current_scale, quantize_per_tensor, quantize_rows_per_group
 from ..recipe import Recipe
-from ..scaling import cast_to_fp8, tensor_amax
+from ..scaling import cast_to_fp8, group_amax, tensor_amax
 from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
+from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering, autocast_dtype
 
-__all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction", "activation"]
+__all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction",
+           "ActivationGroupedLinearLowering", "ActFp8GroupedLinearFunction", "activation"]
 
 ACTIVATIONS = ("gelu", "gelu_tanh", "relu", "relu2", "silu", "swiglu", "geglu", "geglu_tanh", "custom")
 
@@ -174,3 +181,75 @@ class ActivationLinearLowering:
 
     def __repr__(self) -> str:
         return f"ActivationLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"
+
+
+class ActFp8GroupedLinearFunction(torch.autograd.Function):
+    """h [M, K] (u [M, K] for swiglu) -> y [M, N]: act(h, u) quantized per expert, times each expert's
+    quantized weight (grouped_linear.py's GEMMs). w_ekn: [E, K, N]; offs: int32 [E]; carrier and the
+    scales [E]: DelayedScaling's, None under current scaling."""
+
+    @staticmethod
+    def forward(ctx, spec: ActivationLinearSpec, h, u, w_ekn, offs, carrier, x_scale, w_scale, g_scale):
+        recipe, experts = spec.recipe, w_ekn.shape[0]
+        groups = group_index(offs, h.shape[0])
+        a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
+        x_amax = group_amax(a, groups, experts)
+        if x_scale is None:
+            x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
+        xq, x_sinv, _ = quantize_rows_per_group(a, groups, experts, "input", recipe, x_scale, x_amax)
+        y, wq, w_sinv, w_amax = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale, out_dtype=a.dtype)
+        ctx.spec = spec
+        ctx.dtypes = (h.dtype, a.dtype, w_ekn.dtype)
+        ctx.save_for_backward(h, u, x_scale, x_sinv, wq, w_sinv, offs, groups, torch.cat([x_amax, w_amax]),
+                              *((g_scale,) if g_scale is not None else ()))
+        ctx.mark_non_differentiable(offs)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        spec = ctx.spec
+        h, u, x_scale, x_sinv, wq, w_sinv, offs, groups, xw_amax, *g_scale = ctx.saved_tensors
+        h_dtype, a_dtype, w_dtype = ctx.dtypes
+        need_da = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
+        xq = None
+        if ctx.needs_input_grad[3]:
+            # the forward's FP8 operand, recomputed from the saved activation input and scales
+            a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
+            xq, _, _ = quantize_rows_per_group(a, groups, wq.shape[0], "input", spec.recipe, x_scale)
+        da, dw, g_amax = grouped_dgrad_wgrad(grad_y, groups, offs, spec.recipe, wq, w_sinv, xq, x_sinv,
+                                             g_scale[0] if g_scale else None,
+                                             dx_dtype=a_dtype if need_da else None,
+                                             dw_dtype=w_dtype if ctx.needs_input_grad[3] else None)
+        dh = du = carrier_grad = None
+        if need_da:
+            dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
+        if ctx.needs_input_grad[5]:
+            carrier_grad = torch.cat([xw_amax, g_amax])
+        return None, dh, du, None if dw is None else dw.transpose(1, 2), None, carrier_grad, None, None, None
+
+
+class ActivationGroupedLinearLowering:
+    """Callable inserted into the FX graph for an activation fused into an MoE layer's grouped GEMM.
+
+    ``(h, u, shape, w, offs, *delayed) -> y``: h [M, K] the activation's input (u: swiglu's up half,
+    else None); shape: a tensor of the GEMM input's shape; w [E, K, N] and offs as the grouped GEMM
+    reads them; delayed: DelayedScaling's carrier and [E] scales, or nothing.
+    """
+
+    def __init__(self, spec: ActivationLinearSpec, grouped: GroupedLinearLowering) -> None:
+        self.spec = spec
+        self._grouped = grouped
+        self.__name__ = f"te_{spec.kind}_grouped_linear_{spec.recipe.name}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, h, u, shape, w_ekn, offs, *delayed):
+        state = delayed or (None,) * 4
+        k = h.shape[-1]
+        h, u = h.reshape(-1, k), None if u is None else u.reshape(-1, k)
+        return self._grouped.padded(
+            lambda h_, u_, offs_: ActFp8GroupedLinearFunction.apply(self.spec, h_, u_, w_ekn, offs_, *state),
+            [h, u], offs)
+
+    def __repr__(self) -> str:
+        return f"ActivationGroupedLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

@@ -21,7 +21,7 @@ Only the FP8 copies of x and w are saved for backward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -132,15 +132,20 @@ class GroupedLinearLowering:
     def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor,
                  *delayed: Optional[torch.Tensor]) -> torch.Tensor:
         """delayed: DelayedScaling's (carrier or None, input, weight, grad_output scales [E] each)."""
-        offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
         state = delayed or (None,) * 4
+        return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, self.spec.recipe,
+                                                                             *state), [x], offs)
+
+    def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: torch.Tensor) -> torch.Tensor:
+        """``gemm(*rows, offs)`` -> [M, N], on tensors [M, *] with every expert's rows padded with zero
+        rows to ``spec.align`` first (none when 1) and the output's rows gathered back after."""
+        offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
         if self.spec.align == 1:
-            return Fp8GroupedLinearFunction.apply(x, w_ekn, offs, self.spec.recipe, *state)
-        # every expert's rows padded with zero rows to the GEMM's alignment, and gathered back after
-        dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], self.spec.align)
-        x_padded = x.new_zeros(padded_rows, x.shape[1]).index_copy(0, dest, x)
-        y = Fp8GroupedLinearFunction.apply(x_padded, w_ekn, padded_offs, self.spec.recipe, *state)
-        return y.index_select(0, dest)
+            return gemm(*rows, offs)
+        m = next(t for t in rows if t is not None).shape[0]
+        dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
+        padded = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t) for t in rows]
+        return gemm(*padded, padded_offs).index_select(0, dest)
 
     def __repr__(self) -> str:
         return f"GroupedLinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

@@ -4,6 +4,9 @@ operation with it (lowerings/activation_fusion.py). Runs after the linear pass, 
     a = F.gelu(h); y = fc2(a)                      -> y = te_gelu_linear(h, None, h, fc2.w, fc2.b)
     a = F.silu(g) * u; y = down_proj(a)            -> y = te_swiglu_linear(g, u, g, down.w, None)
 
+The same for the activation between an MoE layer's two expert GEMMs, fused into the second grouped
+GEMM (lowerings/grouped_linear.py) with per-expert scales.
+
 An activation is fused when one linear under a per-tensor recipe is its only reader (through casts,
 views keeping the last dim, dropout(p=0)); otherwise the report row says why not. One row per
 activation site; ``fqn`` is the module whose forward applies it.
@@ -23,7 +26,9 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from ..distributed import is_dtensor
-from ..lowerings.activation_fusion import ActivationLinearLowering, ActivationLinearSpec
+from ..lowerings.activation_fusion import (ActivationGroupedLinearLowering, ActivationLinearLowering,
+                                           ActivationLinearSpec)
+from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
 from ..report import SiteRecord
 from .graphs import GraphScope, module_fqn
@@ -132,11 +137,14 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
         if why is not None:
             record(False, f"{linear_name(reader)}: {why}", linear.spec.recipe.name)
             continue
-        spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe, linear.spec.weight_in_out,
-                                    reader.casts)
-        record(True, f"fused into {linear_name(reader)}" + (" (tanh GELU)" if kind.endswith("_tanh") else ""),
-               linear.spec.recipe.name)
-        _replace(scope.graph, reader, ActivationLinearLowering(spec, linear), h, u)
+        grouped = isinstance(linear, GroupedLinearLowering)
+        spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe,
+                                    False if grouped else linear.spec.weight_in_out, reader.casts)
+        record(True, f"fused into {linear_name(reader)}" + (" (grouped GEMM)" if grouped else "")
+               + (" (tanh GELU)" if kind.endswith("_tanh") else ""), linear.spec.recipe.name)
+        lowering = (ActivationGroupedLinearLowering(spec, linear) if grouped
+                    else ActivationLinearLowering(spec, linear))
+        _replace(scope.graph, reader, lowering, h, u)
         count += 1
     return count
 

@@ -1,4 +1,4 @@
-"""Who reads a value: the FP8 linears reading it through ops that hand its values on unchanged in
+"""Who reads a value: the FP8 linears (and MoE grouped GEMMs) reading it through ops that hand its values on unchanged in
 row layout (dtype casts, dropout that drops nothing, views keeping the last dim, whole-tensor slices),
 and everything else. The fusion passes (norm_fusion.py, activation_fusion.py) fuse a producer with
 the linears found here."""
@@ -12,6 +12,7 @@ import torch
 import torch.fx as fx
 
 from ..distributed import NO_GROUPS, is_dtensor
+from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
 from .matching import CASTS, dtype_of, method_or_name, shape_of
 
@@ -69,7 +70,8 @@ def find_readers(out: fx.Node) -> Readers:
 
     def walk(node: fx.Node, chain: list[fx.Node], casts: tuple) -> None:
         for user in node.users:
-            if isinstance(user.target, LinearLowering) and user.args[0] is node and node not in user.args[1:]:
+            if isinstance(user.target, (LinearLowering, GroupedLinearLowering)) and user.args[0] is node \
+                    and node not in user.args[1:]:
                 found.linears.append(Reader(user, chain, casts))
                 continue
             kind = passes_through(user, node)
@@ -86,6 +88,10 @@ def linear_fusable(reader: Reader, what: str) -> Optional[str]:
     """None when the linear can take its input from the fused ``what`` ("norm", "activation"), else
     why not."""
     spec = reader.node.target.spec
+    if isinstance(reader.node.target, GroupedLinearLowering):
+        # the experts' GEMMs take activations only: norms and attention outputs reach them through
+        # the routing's gather, never directly
+        return None if what == "activation" else f"an MoE grouped GEMM ({what} fusion covers linears)"
     if not spec.recipe.per_tensor:
         return f"recipe {spec.recipe.name} ({what} fusion covers the per-tensor FP8 recipes)"
     if spec.weight_first:
