@@ -12,6 +12,7 @@ import math
 from typing import Callable, Optional, Union
 
 import torch
+from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
 
 __all__ = [
     "FLT_MAX",
@@ -45,9 +46,15 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     """max|x| as an fp32 tensor of shape [1] (0 for an empty tensor)."""
-    if x.numel() == 0:
+    numel = x.numel()
+    if guard_or_false(numel == 0):
         return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return x.detach().abs().amax().to(torch.float32).reshape(1)
+    if statically_known_true(numel != 0) or x.dim() == 0:
+        return x.detach().abs().amax().to(torch.float32).reshape(1)
+    # A data-dependent row count (the tokens routed to one expert in a per-expert loop), which may be 0
+    # at run time, where amax has no identity: reduce each row, then those maxima with a 0.
+    rows = x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=-1).to(torch.float32)
+    return torch.cat([rows, rows.new_zeros(1)]).amax().reshape(1)
 
 
 def group_amax(t: torch.Tensor, groups: torch.Tensor, num_groups: int) -> torch.Tensor:

@@ -248,6 +248,17 @@ def test_tensor_amax():
     assert math.isnan(tensor_amax(torch.tensor([1.0, math.nan])).item())
 
 
+@torch._dynamo.config.patch(capture_dynamic_output_shape_ops=True)
+def test_tensor_amax_of_a_data_dependent_row_count_compiles_and_may_be_empty():
+    """One expert's tokens (torch.where): the row count is unknown when traced, and 0 at run time must
+    give 0, not amax's error on an empty tensor."""
+    torch._dynamo.reset()
+    pick = torch.compile(lambda x, e: tensor_amax(x[torch.where(x[:, 0] > e)[0]]), fullgraph=True, dynamic=False)
+    x = torch.tensor([[1.0, -7.5], [3.0, 2.0], [-2.0, 9.0]])
+    assert pick(x, 0.0).item() == 7.5 and pick(x, 2.0).item() == 3.0
+    assert pick(x, 5.0).item() == 0.0
+
+
 # ---- delayed scaling: Float8Quantizer with a given scale -----------------------------------------
 
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_id)
