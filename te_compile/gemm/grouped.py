@@ -28,7 +28,7 @@ import torch
 from ..hardware import get_device_compute_capability
 
 __all__ = ["GROUP_ALIGN", "grouped_mm_f32", "grouped_mm_f32_reference", "scaled_grouped_mm", "group_index",
-           "pad_groups", "uses_native_grouped_gemm", "grouped_gemm_kind"]
+           "equal_group_offsets", "pad_groups", "uses_native_grouped_gemm", "grouped_gemm_kind"]
 
 # torch._scaled_grouped_mm (CUTLASS, TMA loads): each group's rows a multiple of 16.
 GROUP_ALIGN = 16
@@ -38,6 +38,12 @@ def group_index(offs: torch.Tensor, rows: int) -> torch.Tensor:
     """int64 [rows]: the group of each row; rows from offs[-1] on get len(offs) (no group)."""
     positions = torch.arange(rows, device=offs.device, dtype=offs.dtype)
     return torch.searchsorted(offs, positions, right=True)
+
+
+def equal_group_offsets(rows, experts: int, device: torch.device) -> torch.Tensor:
+    """int32 [experts]: the group ends of ``rows`` rows cut into ``experts`` equal groups (a batched
+    bmm's experts: x [E, T, K] flattened to [E * T, K])."""
+    return torch.arange(1, experts + 1, device=device, dtype=torch.int32) * (rows // experts)
 
 
 def _f32(t: torch.Tensor) -> torch.Tensor:

@@ -249,7 +249,7 @@ class ActivationGroupedLinearLowering:
         h, u = h.reshape(-1, k), None if u is None else u.reshape(-1, k)
         return self._grouped.padded(
             lambda h_, u_, offs_: ActFp8GroupedLinearFunction.apply(self.spec, h_, u_, w_ekn, offs_, *state),
-            [h, u], offs)
+            [h, u], offs, w_ekn.shape[0])
 
     def __repr__(self) -> str:
         return f"ActivationGroupedLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

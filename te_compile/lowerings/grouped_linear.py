@@ -3,7 +3,8 @@ of a mixture-of-experts layer (TransformerEngine's GroupedLinear, from unchanged
 
 x: [M, K] tokens sorted by expert; w: [E, K, N] as ``torch._grouped_mm`` reads it (a parameter
 [E, K, N], or [E, N, K] through ``.transpose(-2, -1)``); offs: [E] the running end of each
-expert's rows. y [M, N]: rows offs[e-1]:offs[e] times w[e]; rows from offs[-1] on are 0.
+expert's rows, or None for E equal groups of M / E rows (a batched bmm's experts, flattened by the
+pass). y [M, N]: rows offs[e-1]:offs[e] times w[e]; rows from offs[-1] on are 0.
 
 Per-tensor FP8 per expert, as GroupedLinear gives each GEMM its own quantizers: one scale for each
 expert's token rows, one per expert weight, one per expert slice of grad_output (HYBRID: E4M3
@@ -25,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..gemm.grouped import group_index, pad_groups, scaled_grouped_mm
+from ..gemm.grouped import equal_group_offsets, group_index, pad_groups, scaled_grouped_mm
 from ..quantization import quantize_per_expert, quantize_rows_per_group
 from ..recipe import Recipe
 
@@ -134,15 +135,19 @@ class GroupedLinearLowering:
         """delayed: DelayedScaling's (carrier or None, input, weight, grad_output scales [E] each)."""
         state = delayed or (None,) * 4
         return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, self.spec.recipe,
-                                                                             *state), [x], offs)
+                                                                             *state), [x], offs, w_ekn.shape[0])
 
-    def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: torch.Tensor) -> torch.Tensor:
+    def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: Optional[torch.Tensor],
+               experts: int) -> torch.Tensor:
         """``gemm(*rows, offs)`` -> [M, N], on tensors [M, *] with every expert's rows padded with zero
-        rows to ``spec.align`` first (none when 1) and the output's rows gathered back after."""
+        rows to ``spec.align`` first (none when 1) and the output's rows gathered back after; offs
+        None: ``experts`` equal groups."""
+        m = next(t for t in rows if t is not None).shape[0]
+        if offs is None:
+            offs = equal_group_offsets(m, experts, rows[0].device)
         offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
         if self.spec.align == 1:
             return gemm(*rows, offs)
-        m = next(t for t in rows if t is not None).shape[0]
         dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
         padded = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t) for t in rows]
         return gemm(*padded, padded_offs).index_select(0, dest)

@@ -6,7 +6,7 @@ from typing import Optional
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..distributed import local_value
+from ..distributed import is_dtensor, local_value
 from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
 from .matching import shape_text, value_of
@@ -30,7 +30,9 @@ def shape_str(site: LinearSite) -> str:
         return shape_text(name, node) or f"{name}[?]"
 
     parts = [one("x", site.x), one("w", site.weight)]
-    if site.param is not None and site.param.name != ".".join(p for p in (site.fqn, "weight") if p):
+    if site.expert is not None:
+        parts[-1] += f"={site.param.name}[{site.expert}]"   # one expert's matrix of a 3-D weight
+    elif site.param is not None and site.param.name != ".".join(p for p in (site.fqn, "weight") if p):
         parts[-1] += f"={site.param.name}"   # a weight from elsewhere: tied, shared, a root parameter
     if site.bias is not None:
         parts.append(one("b", site.bias))
@@ -59,6 +61,8 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
         if not divisible(dim, align):
             return f"{name}={dim} is not divisible by {align} ({recipe.gemm_alignment_reason})"
+    if site.expert is not None and is_dtensor(site.param.value):
+        return f"one expert's matrix of the sharded (DTensor) parameter {site.param.name} is not lowered yet"
     if recipe.delayed() and site.param is None:
         return ("DelayedScaling keeps its state per weight parameter; this weight is computed "
                 "in the graph")

@@ -15,7 +15,7 @@ from ..recipe import Recipe
 from ..tensor.quantized_tensor import QuantizedTensor
 from .context import PassContext
 from .eligibility import divisible
-from .graphs import GraphScope
+from .graphs import GraphScope, insert_call
 from .matching import shape_text, value_of
 from .sites import GroupedSite, find_grouped_sites
 
@@ -39,6 +39,8 @@ def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
     x, w = value_of(site.x), value_of(site.weight)
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
+    if site.batched:
+        x = x.flatten(0, 1)   # E groups of T rows
     if is_dtensor(x) or is_dtensor(w):
         return "DTensor operands (experts sharded by tensor parallelism) are not lowered yet"
     if isinstance(w, QuantizedTensor):
@@ -104,9 +106,24 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         record(True, f"{site.op_name} -> {grouped_gemm_kind(x.dtype, x.device)}; {scales}, "
                      f"weight {layout} ({why})", recipe.name, collectives)
     for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
-        with scope.graph.inserting_before(site.node):
-            new = scope.graph.call_function(lowering, (site.x, site.weight, site.offs, *extra))
-        new.meta.update(site.node.meta)
-        site.node.replace_all_uses_with(new)
-        scope.graph.erase_node(site.node)
+        _replace(scope, site, lowering, extra)
     return len(planned)
+
+
+def _replace(scope: GraphScope, site: GroupedSite, lowering: GroupedLinearLowering, extra: list) -> None:
+    """The site's call replaced by the lowering's; a batched bmm [E, T, K] runs as E groups of T rows
+    (x flattened to [E * T, K], offs None) and its output is unflattened back to [E, T, N]."""
+    x, offs = site.x, site.offs
+    if site.batched:   # offs None: the lowering cuts the rows into E equal groups
+        x = insert_call(site.node, "flatten", (site.x, 0, 1), method=True)
+    with scope.graph.inserting_before(site.node):
+        new = scope.graph.call_function(lowering, (x, site.weight, offs, *extra))
+    new.meta.update(site.node.meta)
+    out = new
+    if site.batched:
+        with value_of(site.node).fake_mode:
+            new.meta["example_value"] = value_of(site.node).flatten(0, 1)
+        out = insert_call(site.node, "unflatten", (new, 0, (value_of(site.x).shape[0], -1)), method=True)
+        out.meta.update({k: v for k, v in site.node.meta.items() if k != "example_value"})
+    site.node.replace_all_uses_with(out)
+    scope.graph.erase_node(site.node)

@@ -3,6 +3,7 @@ saying why not."""
 
 from __future__ import annotations
 
+import operator
 
 import torch.fx as fx
 
@@ -11,9 +12,10 @@ from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
 from ..quantization import weight_is_operand
+from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
 from .eligibility import linear_ineligibility, shape_str
-from .graphs import GraphScope
+from .graphs import GraphScope, insert_call
 from .sites import LinearSite, find_linear_sites
 from .context import PassContext
 
@@ -61,6 +63,19 @@ def _backward_follows(site: LinearSite) -> bool:
     return bool(getattr(value, "requires_grad", False))
 
 
+def _expert_inputs(site: LinearSite, extra: list) -> list:
+    """DelayedScaling's (carrier, input, weight, grad_output scales) for expert ``site.expert`` of a
+    3-D weight, from its [roles x E] carrier and [E] scales: that expert's [1] scales, and a [roles]
+    view of its carrier column (autograd writes the site's amaxes there, zeros elsewhere, and the
+    update takes the max over the weight's sites)."""
+    carrier, *scales = extra
+    e, experts = site.expert, site.param.value.shape[0]
+    if carrier is not None:
+        grid = insert_call(site.node, "view", (carrier, len(GEMM_ROLES), experts), method=True)
+        carrier = insert_call(site.node, operator.getitem, (grid, (slice(None), e)))
+    return [carrier, *(insert_call(site.node, operator.getitem, (scale, slice(e, e + 1))) for scale in scales)]
+
+
 def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra: list) -> None:
     with graph.inserting_before(site.node):
         new = graph.call_function(lowering, (site.x, site.weight, site.bias, *extra))
@@ -75,7 +90,9 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
     planned = []
     for site in find_linear_sites(scope):
         recipe, why = config.recipe_for(site.fqn)
-        record = ctx.recorder(scope, site.node, site.fqn, "linear", shape_str(site))
+        # one expert's matrix of a 3-D weight in a per-expert loop: an MoE experts site
+        op = "linear" if site.expert is None else "grouped_linear"
+        record = ctx.recorder(scope, site.node, site.fqn, op, shape_str(site))
         if site.unsupported is not None:
             record(False, f"{site.unsupported} (left in high precision)")
             continue
@@ -97,6 +114,8 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
             if isinstance(extra, str):
                 record(False, extra, recipe.name)
                 continue
+            if site.expert is not None:
+                extra = _expert_inputs(site, extra)
         weight_value = site.weight.meta.get("example_value")
         if isinstance(weight_value, QuantizedTensor):
             # FSDP2's FP8 all-gather (te_compile.fsdp) or an FP8 primary weight (primary_weights.py)
@@ -106,8 +125,9 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
         spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
         planned.append((site, LinearLowering(spec), extra))
         device = getattr(site.weight.meta.get("example_value"), "device", None)
-        record(True, f"{site.op_name} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name,
-               collectives)
+        what = site.op_name if site.expert is None else \
+            f"{site.op_name} on expert {site.expert} of {site.param.name} (a per-expert loop; that expert's scales)"
+        record(True, f"{what} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name, collectives)
     # Consumers first: rewriting a site erases its node, which a later site's x may still name
     # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
     for site, lowering, extra in reversed(planned):

@@ -8,11 +8,18 @@ activation:
     x @ W (W stored [in, out])   torch.addmm(b, x, W) (HF Conv1D)   torch.mm(x, W)   W @ x
     torch.baddbmm(b, x, W.expand(B, K, N))   torch.bmm(x, W.expand(B, K, N))
 
+The weight may also be one expert's matrix of a 3-D parameter, taken with a constant index inside a
+per-expert loop (``expert`` then says which):
+
+    F.linear(x_e, W[e])   x_e @ W[e].T   x_e @ W[e] (W stored [E, in, out])
+
 A grouped GEMM site is one call of an MoE layer's experts: tokens sorted by expert [M, K] times a 3-D
-parameter [E, K, N] (or [E, N, K] read through ``.transpose(-2, -1)``), groups given by ``offs``:
+parameter [E, K, N] (or [E, N, K] read through ``.transpose(-2, -1)``), groups given by ``offs``, or
+every expert's equal share of a batch [E, T, K] (Llama 4's experts):
 
     torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)   F.grouped_mm(x, W, offs=offs)
     torch.ops.transformers.grouped_mm_fallback(x, W, offs)  (transformers' op for fp32 / fp16 weights)
+    torch.bmm(x.view(E, T, K), W)                           (no offs: T rows per expert)
 
 A matmul-like call with a parameter operand in any other form (einsum, a batched parameter, two
 parameters, addmm with alpha/beta) is returned too, with ``unsupported`` saying why, so the report
@@ -46,6 +53,7 @@ class LinearSite:
     op_name: str                # the graph op, for reports: "linear", "addmm", "matmul", ...
     weight_first: bool = False  # W @ x: the weight is the left operand (y = (x.mT @ W.T).mT)
     unsupported: Optional[str] = None   # why this matmul with a parameter operand is not lowered
+    expert: Optional[int] = None        # the weight is ``param[expert]``, one expert of a 3-D parameter
 
 
 _LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
@@ -115,12 +123,30 @@ def _is_matrix_transpose(node: fx.Node) -> bool:
     return False
 
 
-def _param_behind(node, params: dict[fx.Node, ParamRef]) -> tuple[Optional[ParamRef], bool]:
-    """(the parameter ``node`` is a transposed / cast copy of, an odd number of transposes?)."""
-    flipped = False
+def _expert_index(node: fx.Node) -> Optional[int]:
+    """e for ``W[e]``, ``W[e, :, :]``, ``W.select(0, e)`` of a 3-D ``W`` with a constant e; else None."""
+    name = _method(node) or getattr(node.target, "__name__", None)
+    if len(node.args) < 2 or _rank(node.args[0]) != 3:
+        return None
+    if name == "getitem":
+        index = node.args[1]
+        if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
+            index = index[0]
+        return index if isinstance(index, int) and not isinstance(index, bool) else None
+    if name == "select" and len(node.args) == 3 and node.args[1] == 0 and isinstance(node.args[2], int):
+        return node.args[2]
+    return None
+
+
+def _param_behind(node, params: dict[fx.Node, ParamRef],
+                  experts: bool = False) -> tuple[Optional[ParamRef], bool, Optional[int]]:
+    """(the parameter ``node`` is a transposed / cast copy of, an odd number of transposes?, the
+    expert) where the expert is None, or with ``experts``, e for one expert's matrix ``W[e]`` of a 3-D
+    parameter taken on the way (transposes of the stack before the index flip it as well)."""
+    flipped, expert = False, None
     while isinstance(node, fx.Node):
         if node in params:
-            return params[node], flipped
+            return params[node], flipped, expert
         if node.op not in ("call_method", "call_function") or not node.args:
             break
         name = _method(node)
@@ -129,9 +155,12 @@ def _param_behind(node, params: dict[fx.Node, ParamRef]) -> tuple[Optional[Param
         elif name in _TRANSPOSE_METHODS and _is_matrix_transpose(node):
             flipped = not flipped
             node = node.args[0]
+        elif experts and expert is None and (e := _expert_index(node)) is not None:
+            expert = e
+            node = node.args[0]
         else:
             break
-    return None, flipped
+    return None, flipped, None
 
 
 def _unbroadcast(node) -> Optional[fx.Node]:
@@ -165,8 +194,8 @@ def _matmul_word_name(node: fx.Node) -> Optional[str]:
 
 def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]:
     """A site for ``x @ w (+ bias)`` where one operand is a parameter; None when neither is."""
-    w_param, _ = _param_behind(w, params)
-    x_param, _ = _param_behind(x, params)
+    w_param, _, w_expert = _param_behind(w, params, experts=True)
+    x_param, _, x_expert = _param_behind(x, params, experts=True)
     if w_param is None and x_param is None:
         if _reaches_param(w, params) or _reaches_param(x, params):
             return LinearSite(node, x, w, None, bias, True, fqn, op_name,
@@ -180,7 +209,7 @@ def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]
         if _rank(w) != 2:
             return LinearSite(node, x, w, w_param, bias, True, fqn, op_name,
                               unsupported=f"parameter operand {w_param.name} is {_rank(w)}-D, not 2-D")
-        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name)
+        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name, expert=w_expert)
     # W @ x: the weight is [N, K] as read, x [..., K, M]
     if _rank(x) != 2:
         return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
@@ -188,7 +217,7 @@ def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]
     if bias is not None:
         return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
                           unsupported=f"{op_name} with the parameter as its left operand and an addend")
-    return LinearSite(node, w, x, x_param, None, False, fqn, op_name, weight_first=True)
+    return LinearSite(node, w, x, x_param, None, False, fqn, op_name, weight_first=True, expert=x_expert)
 
 
 def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[LinearSite]:
@@ -196,8 +225,8 @@ def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[
     if node.op == "call_function" and target in _LINEAR:
         x, w = node.args[0], node.args[1]
         b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        param, _ = _param_behind(w, params)
-        return LinearSite(node, x, w, param, b, False, fqn, "linear")
+        param, _, expert = _param_behind(w, params, experts=True)
+        return LinearSite(node, x, w, param, b, False, fqn, "linear", expert=expert)
     is_call = node.op == "call_function"
     if (is_call and target in _MATMUL_FNS) or (node.op == "call_method" and target in _MATMUL_METHODS):
         if len(node.args) != 2 or node.kwargs:
@@ -212,6 +241,8 @@ def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[
     if is_call and target in (*_BMM_FNS, *_BADDBMM_FNS):
         baddbmm = target in _BADDBMM_FNS
         b, x, w = node.args[:3] if baddbmm else (None, *node.args[:2])
+        if not baddbmm and _batched_experts(x, w, params):
+            return None   # find_grouped_sites
         w2 = _unbroadcast(w)
         site = None
         if w2 is not None and _param_behind(w2, params)[0] is not None and _rank(x) == 3:
@@ -222,7 +253,8 @@ def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[
         if site is not None and baddbmm and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
             site.unsupported = "baddbmm with beta or alpha other than 1"
         return site
-    if _grouped_op(node) is not None:
+    if _grouped_op(node) is not None or (node.op == "call_method" and target == "bmm" and len(node.args) == 2
+                                         and _batched_experts(*node.args, params)):
         return None   # find_grouped_sites
     name = _OTHER_MATMULS.get(target) if is_call else None
     name = name or _matmul_word_name(node)
@@ -263,13 +295,20 @@ class GroupedSite:
     param: Optional[ParamRef]   # the 3-D parameter behind ``weight``; None: computed
     weight_in_out: bool         # the parameter is stored [E, in, out] (else [E, out, in], read transposed)
     fqn: str                    # the experts module's path
-    op_name: str                # "grouped_mm" | "grouped_mm_fallback", for reports
+    op_name: str                # "grouped_mm" | "grouped_mm_fallback" | "bmm", for reports
     unsupported: Optional[str] = None   # why this grouped GEMM is not lowered
+    batched: bool = False       # bmm of x [E, T, K]: T rows per expert, no offs
 
 
 _GROUPED_MM_FNS = (torch._grouped_mm, getattr(torch.nn.functional, "grouped_mm", torch._grouped_mm))
 # transformers' custom op for the weights torch._grouped_mm cannot compile (fp32, fp16): same operands
 _GROUPED_MM_OPS = ("transformers::grouped_mm_fallback",)
+
+
+def _batched_experts(x, w, params) -> bool:
+    """Is ``bmm(x, w)`` every expert's GEMM at once: x [E, T, K] and w a 3-D parameter read as
+    [E, K, N] (stored so, or [E, N, K] transposed)?"""
+    return _rank(x) == 3 and _rank(w) == 3 and _param_behind(w, params)[0] is not None
 
 
 def _grouped_op(node: fx.Node) -> Optional[str]:
@@ -294,7 +333,7 @@ def _grouped_site(node: fx.Node, op_name: str, params, fqn: str) -> Optional[Gro
     offs = _argument(node, 2, "offs")
     if not any(_reaches_param(a, params) for a in (x, w)):
         return None   # activations times activations (attention-like): not a weight GEMM
-    param, flipped = _param_behind(w, params)
+    param, flipped, _ = _param_behind(w, params)
     site = GroupedSite(node, x, w, offs, param, not flipped, fqn, op_name)
     if param is None:
         site.unsupported = (f"{op_name} whose weight operand is not a parameter read as it is or "
@@ -310,13 +349,30 @@ def _grouped_site(node: fx.Node, op_name: str, params, fqn: str) -> Optional[Gro
     return site
 
 
+def _batched_site(node: fx.Node, params, fqn: str) -> Optional[GroupedSite]:
+    x, w = node.args[0], node.args[1]
+    if len(node.args) != 2 or node.kwargs or not _batched_experts(x, w, params):
+        return None
+    param, flipped, _ = _param_behind(w, params)
+    site = GroupedSite(node, x, w, None, param, not flipped, fqn, "bmm", batched=True)
+    if value_of(x).shape[0] != value_of(w).shape[0]:
+        site.unsupported = f"bmm of {value_of(x).shape[0]} batches against {value_of(w).shape[0]} experts"
+    return site
+
+
 def find_grouped_sites(scope: GraphScope) -> list[GroupedSite]:
     """Every grouped GEMM call of ``scope``'s graph with a parameter operand, in graph order."""
     sites = []
     for node in scope.graph.nodes:
         op_name = _grouped_op(node)
+        fqn = scope.fqn(module_fqn(node)) if node.op in ("call_function", "call_method") else ""
         if op_name is not None:
-            site = _grouped_site(node, op_name, scope.params, scope.fqn(module_fqn(node)))
-            if site is not None:
-                sites.append(site)
+            site = _grouped_site(node, op_name, scope.params, fqn)
+        elif (node.op == "call_function" and node.target in _BMM_FNS) or (node.op == "call_method"
+                                                                           and node.target == "bmm"):
+            site = _batched_site(node, scope.params, fqn)
+        else:
+            site = None
+        if site is not None:
+            sites.append(site)
     return sites
