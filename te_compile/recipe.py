@@ -154,6 +154,11 @@ class Recipe:
     primary_weights: ClassVar[bool] = False
     # The fewest dims a linear's input may have.
     min_input_dims: ClassVar[int] = 1
+    # Rows of one block along the token dim in the columnwise copies the weight gradient reads (None:
+    # no blocks along it). MoE grouped GEMMs pad each expert's tokens to it, so no block spans two.
+    token_block_rows: ClassVar[Optional[int]] = None
+    # MoE experts' grouped GEMMs run under it, one set of quantizers per expert.
+    grouped_gemms: ClassVar[bool] = False
 
     # Keyword-only and declared once: every recipe has them, after its own fields.
     fp8_dpa: bool = field(default=False, kw_only=True)
@@ -169,6 +174,10 @@ class Recipe:
         """Why weights cannot be held only in this recipe's weight format (FP8 primary weights), or
         None when they can."""
         return None if self.primary_weights else f"{self.name} has no primary-weight format"
+
+    def grouped_gemm_problem(self) -> Optional[str]:
+        """Why MoE experts' grouped GEMMs cannot run under this recipe, or None when they can."""
+        return None if self.grouped_gemms else f"{self.name} per expert is not built"
 
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
@@ -219,6 +228,7 @@ class DelayedScaling(Recipe):
 
     per_tensor: ClassVar[bool] = True
     primary_weights: ClassVar[bool] = True
+    grouped_gemms: ClassVar[bool] = True
 
     # scale = fp8_max / amax / 2**margin: a larger margin leaves headroom for growth between steps
     margin: int = 0
@@ -258,6 +268,7 @@ class Float8CurrentScaling(Recipe):
 
     per_tensor: ClassVar[bool] = True
     primary_weights: ClassVar[bool] = True
+    grouped_gemms: ClassVar[bool] = True
 
     fp8_format: Format = Format.HYBRID
     # round scales down to powers of two: exact scaling (no mantissa error) at up to 2x less range
@@ -285,6 +296,8 @@ class MXFP8BlockScaling(Recipe):
     # the columnwise copy's blocks run 32 rows down
     weight_gather_block_rows: ClassVar[Optional[int]] = 32
     primary_weights: ClassVar[bool] = True
+    token_block_rows: ClassVar[Optional[int]] = 32
+    grouped_gemms: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
 
@@ -303,6 +316,9 @@ class Float8BlockScaling(Recipe):
     per_block_scales: ClassVar[bool] = True
     weight_gather_block_rows: ClassVar[Optional[int]] = 128
     primary_weights: ClassVar[bool] = True
+    # wgrad's columnwise copies of x and grad_output: 128 rows down (128x1 blocks, or 128x128 tiles)
+    token_block_rows: ClassVar[Optional[int]] = 128
+    grouped_gemms: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
@@ -346,6 +362,7 @@ class NVFP4BlockScaling(Recipe):
     gemm_alignment_reason: ClassVar[str] = "NVFP4 scales blocks of 16 along K and N"
     # its lowering takes inputs of at least 2 dims ([..., tokens, K]); a 1-D one stays in high precision
     min_input_dims: ClassVar[int] = 2
+    token_block_rows: ClassVar[Optional[int]] = 16
 
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
@@ -355,6 +372,10 @@ class NVFP4BlockScaling(Recipe):
     disable_stochastic_rounding: bool = False
     # 16x16 blocks for weights, so the transposed weight reuses the same scales
     disable_2d_quantization: bool = False
+
+    def grouped_gemm_problem(self) -> Optional[str]:
+        return ("NVFP4 per expert is not built: its tensor-level scale would need one amax per expert "
+                "(each expert's tokens, weight and gradient rows)")
 
     def __post_init__(self):
         n = self.name

@@ -18,9 +18,9 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attenti
               max_position_embeddings=64)
 
 
-def _mixtral():
+def _mixtral(intermediate=48):
     return transformers.MixtralForCausalLM(transformers.MixtralConfig(
-        intermediate_size=48, num_local_experts=4, num_experts_per_tok=2, **COMMON))
+        intermediate_size=intermediate, num_local_experts=4, num_experts_per_tok=2, **COMMON))
 
 
 def _qwen3_moe():
@@ -69,12 +69,13 @@ def _batches(steps: int) -> torch.Tensor:
     return (start + stride * torch.arange(17)) % VOCAB
 
 
-def _train(name: str, dtype: torch.dtype, te: bool):
+def _train(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8CurrentScaling", build=None):
     torch.manual_seed(0)
-    model = MODELS[name][0]().to(dtype)
+    model = (build or MODELS[name][0])().to(dtype)
     torch._dynamo.reset()
     te_compile.reset()
-    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager"}) if te else model
+    options = {"compiler": "aot_eager", "recipe": recipe}
+    compiled = torch.compile(model, backend="te", options=options) if te else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for ids in _batches(STEPS):
@@ -100,3 +101,18 @@ def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
     final_high, final_low = sum(high[-5:]) / 5, sum(low[-5:]) / 5
     assert abs(final_low - final_high) <= 0.015 * final_high, \
         f"final loss {final_low:.4f} vs high precision {final_high:.4f} (more than 1.5% apart)"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["MXFP8BlockScaling", "Float8BlockScaling"])
+def test_mixtral_trains_under_the_block_recipes(recipe):
+    def build():
+        return _mixtral(intermediate=64)   # MXFP8 needs K and N % 32 == 0
+    high, _ = _train("mixtral", torch.bfloat16, te=False, build=build)
+    low, report = _train("mixtral", torch.bfloat16, te=True, recipe=recipe, build=build)
+    experts = [s for s in report.sites if s.op == "grouped_linear"]
+    assert len(experts) == 4 and all(s.rewritten and "per expert, emulated GEMMs" in s.reason for s in experts), \
+        str(report)
+    final_high, final_low = sum(high[-5:]) / 5, sum(low[-5:]) / 5
+    assert abs(final_low - final_high) <= 0.015 * final_high, f"{final_low:.4f} vs {final_high:.4f}"
+

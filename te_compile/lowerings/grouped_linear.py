@@ -10,13 +10,16 @@ Per-tensor FP8 per expert, as GroupedLinear gives each GEMM its own quantizers: 
 expert's token rows, one per expert weight, one per expert slice of grad_output (HYBRID: E4M3
 forward, E5M2 gradients). Current scaling computes them from this call's amaxes; DelayedScaling
 reads them from the weight's state (an amax history per expert and role, te_compile.state) and
-hands this call's amaxes to the graph's one update node (delayed_state.py). An expert without tokens has amax 0, so scale 1, and contributes zero
-rows and a zero weight gradient. The GEMMs (te_compile.gemm.grouped) apply the scales to the fp32
+hands this call's amaxes to the graph's one update node (delayed_state.py). An expert without tokens
+has amax 0, so scale 1, and contributes zero rows and a zero weight gradient. The GEMMs (te_compile.gemm.grouped) apply the scales to the fp32
 accumulator, as torch._scaled_grouped_mm does:
 - fprop  y  = x @ w[e]        : xq [M, K] E4M3, wq [E, N, K] E4M3 read as [E, K, N]
 - dgrad  dx = g @ w[e].T      : gq [M, N] E5M2, wq read as [E, N, K]
 - wgrad  dw[e] = g_e.T @ x_e  : gq.T [N, M] E5M2, xq [M, K] E4M3, grouped along M
 Only the FP8 copies of x and w are saved for backward.
+
+The block-scaled recipes (MXFP8, Float8 block) run per expert through their quantizer objects:
+``BlockGroupedLinearFunction`` says how no block spans two experts.
 """
 
 from __future__ import annotations
@@ -26,12 +29,13 @@ from typing import Callable, Optional
 
 import torch
 
-from ..gemm.grouped import equal_group_offsets, group_index, pad_groups, scaled_grouped_mm
-from ..quantization import quantize_per_expert, quantize_rows_per_group
+from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
+from ..quantization import quantize_copies, quantize_per_expert, quantize_rows_per_group, quantizer_factory
 from ..recipe import Recipe
+from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
 
-__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "Fp8GroupedLinearFunction", "grouped_fprop",
-           "grouped_dgrad_wgrad"]
+__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "Fp8GroupedLinearFunction", "BlockGroupedLinearFunction",
+           "grouped_fprop", "grouped_dgrad_wgrad"]
 
 
 @dataclass(frozen=True)
@@ -117,14 +121,73 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         return dx, None if dw is None else dw.transpose(1, 2), None, None, carrier_grad, None, None, None
 
 
+class BlockGroupedLinearFunction(torch.autograd.Function):
+    """The block-scaled formats per expert (MXFP8, Float8 block) through quantizer objects, as the
+    dense linears' quantized_linear.py. x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
+
+    x and grad_output are quantized rowwise whole: their blocks run along K / N, inside one row, so
+    inside one expert. Each expert's weight is quantized alone (Float8 block's 128x128 tiles stay in
+    one expert). The weight gradient's operands, x and grad_output columnwise (blocks running down the
+    token dim), are made from each expert's rows padded with zero rows to ``block_rows``
+    (``Recipe.token_block_rows``): no block spans two experts, and zero rows change no block's amax.
+    The GEMMs dequantize both operands to fp32 and multiply expert by expert (grouped_mm_f32): no
+    grouped GEMM of these formats is wired natively. The forward saves only quantized copies.
+    """
+
+    @staticmethod
+    def forward(ctx, x, w_ekn, offs, factory, block_rows):
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        experts = w_ekn.shape[0]
+        qx = quantize_copies(factory, "input", x)
+        qws = [quantize_copies(factory, "weight", w_ekn[e].t(), columnwise=needs_dx) for e in range(experts)]
+        w32 = torch.stack([q.dequantize(dtype=torch.float32) for q in qws])            # [E, N, K]
+        y = grouped_mm_f32(qx.dequantize(dtype=torch.float32), w32.transpose(1, 2), offs).to(x.dtype)
+        qx_col = padding = None
+        if needs_dw:
+            padding = pad_groups(offs, x.shape[0], block_rows)
+            dest, _, rows = padding
+            qx_col = quantize_copies(factory, "input", x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x),
+                                     rowwise=False, columnwise=True)
+        if needs_dx:
+            for q in qws:
+                q.update_usage(rowwise_usage=False)   # dgrad reads the columnwise copies only
+        tensors, ctx.objects = prepare_for_saving(qx_col, *(qws if needs_dx else ()))
+        extra = padding[:2] if padding is not None else ()
+        ctx.save_for_backward(offs, *extra, *tensors)
+        ctx.factory, ctx.padded_rows = factory, padding[2] if padding is not None else 0
+        ctx.dtypes = (x.dtype, w_ekn.dtype)
+        ctx.mark_non_differentiable(offs)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        offs, *rest = ctx.saved_tensors
+        needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dest, padded_offs = rest[:2] if needs_dw else (None, None)
+        qx_col, *qws = restore_from_saved(ctx.objects, rest[2:] if needs_dw else rest)
+        x_dtype, w_dtype = ctx.dtypes
+        dx = dw = None
+        if needs_dx:
+            qg = quantize_copies(ctx.factory, "grad_output", grad_y)
+            w32 = torch.stack([q.dequantize(dtype=torch.float32) for q in qws])        # [E, N, K]
+            dx = grouped_mm_f32(qg.dequantize(dtype=torch.float32), w32, offs).to(x_dtype)
+        if needs_dw:
+            g_padded = grad_y.new_zeros(ctx.padded_rows, grad_y.shape[1]).index_copy(0, dest, grad_y)
+            qg_col = quantize_copies(ctx.factory, "grad_output", g_padded, rowwise=False, columnwise=True)
+            dw_enk = grouped_mm_f32(qg_col.dequantize(dtype=torch.float32).t(),
+                                    qx_col.dequantize(dtype=torch.float32), padded_offs)   # [E, N, K]
+            dw = dw_enk.transpose(1, 2).to(w_dtype)
+        return dx, dw, None, None, None
+
+
 class GroupedLinearLowering:
     """Callable inserted into the FX graph for one grouped site: ``(x, w, offs) -> y`` (module
     docstring: shapes). The output has x's dtype, as ``torch._grouped_mm``'s does."""
 
     def __init__(self, spec: GroupedLinearSpec) -> None:
-        if not spec.recipe.per_tensor:
-            raise ValueError(f"grouped GEMMs are lowered for the per-tensor recipes (Float8CurrentScaling, "
-                             f"DelayedScaling), got {spec.recipe.name}")
+        problem = spec.recipe.grouped_gemm_problem()
+        if problem is not None:
+            raise ValueError(f"grouped GEMMs cannot run under {spec.recipe.name}: {problem}")
         self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
         self.__name__ = f"te_grouped_linear_{spec.recipe.name}"
         self.__qualname__ = self.__name__
@@ -133,9 +196,13 @@ class GroupedLinearLowering:
     def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor,
                  *delayed: Optional[torch.Tensor]) -> torch.Tensor:
         """delayed: DelayedScaling's (carrier or None, input, weight, grad_output scales [E] each)."""
+        recipe = self.spec.recipe
+        if not recipe.per_tensor:
+            return self.padded(lambda x_, offs_: BlockGroupedLinearFunction.apply(
+                x_, w_ekn, offs_, quantizer_factory(recipe), recipe.token_block_rows), [x], offs, w_ekn.shape[0])
         state = delayed or (None,) * 4
-        return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, self.spec.recipe,
-                                                                             *state), [x], offs, w_ekn.shape[0])
+        return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, recipe, *state),
+                           [x], offs, w_ekn.shape[0])
 
     def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: Optional[torch.Tensor],
                experts: int) -> torch.Tensor:

@@ -33,9 +33,9 @@ def _shapes(site: GroupedSite) -> str:
 
 def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
     """Why the site cannot run under ``recipe``, or None."""
-    if not recipe.per_tensor:
-        return (f"grouped GEMMs are lowered under Float8CurrentScaling and DelayedScaling; {recipe.name} "
-                f"per expert is not built yet (left in high precision)")
+    problem = recipe.grouped_gemm_problem()
+    if problem is not None:
+        return f"{problem} (left in high precision)"
     x, w = value_of(site.x), value_of(site.weight)
     if x is None or w is None:
         return "operand shapes unknown (no example value)"
@@ -60,6 +60,8 @@ def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
 
 def _align(site: GroupedSite, recipe: Recipe) -> int:
     """Rows per group the forward GEMM needs: the native grouped GEMM's 16 where it runs, else 1."""
+    if not recipe.per_tensor:
+        return 1   # no native grouped GEMM of the block formats is wired
     x = value_of(site.x)
     fp8 = recipe.fp8_format.dtype_for("input")
     probe = x.new_empty((), dtype=fp8) if x.device.type == "cuda" else None
@@ -102,9 +104,13 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         planned.append((site, GroupedLinearLowering(spec), extra))
         x = value_of(site.x)
         layout = "[E, in, out]" if site.weight_in_out else "[E, out, in]"
-        scales = "per-expert amax histories" if recipe.delayed() else "per-expert scales"
-        record(True, f"{site.op_name} -> {grouped_gemm_kind(x.dtype, x.device)}; {scales}, "
-                     f"weight {layout} ({why})", recipe.name, collectives)
+        if recipe.per_tensor:
+            scales = "per-expert amax histories" if recipe.delayed() else "per-expert scales"
+            kind = f"{grouped_gemm_kind(x.dtype, x.device)}; {scales}"
+        else:
+            kind = (f"{recipe.format_label} per expert, emulated GEMMs (dequantize-then-matmul, expert by "
+                    f"expert; no block spans two experts)")
+        record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)
     for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
         _replace(scope, site, lowering, extra)
     return len(planned)

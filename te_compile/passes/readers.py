@@ -88,7 +88,7 @@ def linear_fusable(reader: Reader, what: str) -> Optional[str]:
     """None when the linear can take its input from the fused ``what`` ("norm", "activation"), else
     why not."""
     spec = reader.node.target.spec
-    if isinstance(reader.node.target, GroupedLinearLowering):
+    if isinstance(reader.node.target, GroupedLinearLowering) and spec.recipe.per_tensor:
         # the experts' GEMMs take activations only: norms and attention outputs reach them through
         # the routing's gather, never directly
         return None if what == "activation" else f"an MoE grouped GEMM ({what} fusion covers linears)"
