@@ -44,8 +44,9 @@ _COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
              "amax_group")
-_DISTRIBUTED_KEYS = ("amax_group", "sharded_modules")
+_DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules")
 _AMAX_GROUP_NAMES = ("world", "none")
+_EXPERT_AMAX_GROUP_NAMES = ("same", "world", "none")
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
 
 
@@ -121,9 +122,17 @@ class DistributedConfig:
     # are plain tensors (tensor parallelism written by hand): current scaling all-reduces their
     # amaxes (input, weight, grad_output) over the amax group, so the bytes match one process.
     sharded_modules: tuple[str, ...] = ()
+    # The group the DelayedScaling amaxes of MoE expert weights are all-reduced over: "same" (amax_group's:
+    # right when every rank holds every expert, as under DDP or FSDP2), "none" (expert parallelism:
+    # each rank's experts are its own, and no other rank sees their tokens), "world", or from Python
+    # the ProcessGroup / 1-D DeviceMesh of the ranks holding the same experts.
+    expert_amax_group: Any = "same"
 
     def __post_init__(self):
         object.__setattr__(self, "sharded_modules", tuple(self.sharded_modules))
+        if isinstance(self.expert_amax_group, str) and self.expert_amax_group not in _EXPERT_AMAX_GROUP_NAMES:
+            raise ValueError(f"DistributedConfig.expert_amax_group must be one of {list(_EXPERT_AMAX_GROUP_NAMES)}, "
+                             f"a ProcessGroup or a 1-D DeviceMesh, got {self.expert_amax_group!r}")
         for glob in self.sharded_modules:
             problem = _glob_problem(glob)
             if problem:
@@ -333,7 +342,8 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     """The [distributed] table; a top-level ``amax_group`` (handy in Python options) overrides its key."""
     value = data.get("distributed", {})
     if isinstance(value, DistributedConfig):
-        table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules}
+        table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules,
+                 "expert_amax_group": value.expert_amax_group}
     else:
         table = dict(_table(value, "distributed", source))
         _check_keys(table, _DISTRIBUTED_KEYS, "distributed.", source)
@@ -348,6 +358,15 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     elif not _is_group_object(group):
         raise _error(source, key, f"expected {list(_AMAX_GROUP_NAMES)}, a ProcessGroup or a 1-D "
                                   f"DeviceMesh, got {group!r} ({type(group).__name__})")
+    experts = table.get("expert_amax_group", DistributedConfig.expert_amax_group)
+    if isinstance(experts, str):
+        if experts not in _EXPERT_AMAX_GROUP_NAMES:
+            raise _error(source, "distributed.expert_amax_group",
+                         f"unknown amax group {experts!r}; allowed: {list(_EXPERT_AMAX_GROUP_NAMES)} (or, from "
+                         f"Python, a ProcessGroup or a 1-D DeviceMesh)")
+    elif not _is_group_object(experts):
+        raise _error(source, "distributed.expert_amax_group", f"expected {list(_EXPERT_AMAX_GROUP_NAMES)}, a "
+                                                             f"ProcessGroup or a 1-D DeviceMesh, got {experts!r}")
     globs = table.get("sharded_modules", ())
     if isinstance(globs, str) or not isinstance(globs, (list, tuple)):
         raise _error(source, "distributed.sharded_modules", f"expected an array of module globs, got {globs!r}")
@@ -355,7 +374,7 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
         problem = _glob_problem(glob)
         if problem:
             raise _error(source, f"distributed.sharded_modules[{i}]", problem)
-    return DistributedConfig(group, tuple(globs))
+    return DistributedConfig(group, tuple(globs), experts)
 
 
 def _is_group_object(value: Any) -> bool:

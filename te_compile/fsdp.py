@@ -34,6 +34,12 @@ rowwise copy only, the columnwise one is its transpose) along dim 0; ``fsdp_post
 the block-scaled tensor over them. Other shapes keep high-precision gathers (the returned dict says
 why).
 
+MoE expert weights (3-D parameters [E, ...] of modules under a per-tensor recipe) get one scale per
+expert. FSDP2 shards dim 0, the experts, so each rank holds whole experts: the scale book all-reduces
+an [E] vector per weight (each rank's experts at their places, 0 elsewhere), the shard's experts are
+cast with their own scales, and ``fsdp_post_all_gather`` builds a ``GroupedFloat8Tensor`` whose bytes
+and [E] scales the grouped GEMM lowering uses as they are.
+
 Delayed scaling: the shard is cast with the scale the compiled graph keeps for the weight. The slot
 holds that state (te_compile.state, made for the original parameter) and the gathered Float8Tensor
 carries it in its quantizer (``linear_state``), so the graph, keyed by FSDP's unsharded parameter,
@@ -51,10 +57,11 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
-from .quantization import quantize_per_tensor, weight_ineligibility, weight_quantizer
-from .scaling import tensor_amax
+from .quantization import current_scale, quantize_per_tensor, weight_ineligibility, weight_quantizer
+from .scaling import cast_to_fp8, tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
-from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather
+from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather, fsdp_padded_shard
+from .tensor.grouped_float8_tensor import GroupedFloat8Quantizer, GroupedFsdpMeta, fsdp_grouped_post_all_gather
 
 __all__ = ["enable_fp8_all_gather", "Fp8AllGatherWeight"]
 
@@ -72,17 +79,36 @@ _KEEP_WRAPPED = {
 
 
 class _Slot:
-    """One wrapped weight: where it lives, its recipe, and its last whole-weight amax (fp32 [1])."""
+    """One wrapped weight: where it lives, its recipe, and its last whole-weight amax (fp32 [1]; for a
+    3-D expert weight one per expert, [E])."""
 
     def __init__(self, module: nn.Module, name: str, fqn: str, recipe) -> None:
         self.module, self.name, self.fqn, self.recipe = module, name, fqn, recipe
+        weight = getattr(module, name, None)
+        self.experts = weight.shape[0] if weight is not None and weight.dim() == 3 else 0
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
         # block formats: the weight quantizer (scales are per block: shards need no amax reduction)
         self.block_quantizer = weight_quantizer(recipe) if recipe.weight_gather_block_rows else None
         # delayed scaling: the quantizer with the weight's state (its scale), carried to the gathered weight
-        self.quantizer: Optional[Float8Quantizer] = (
-            weight_quantizer(recipe, getattr(module, name), fqn) if recipe.delayed() else None)
+        self.quantizer: Union[Float8Quantizer, GroupedFloat8Quantizer, None] = (
+            weight_quantizer(recipe, weight, fqn) if recipe.delayed() else None)
+
+    def local_amax(self, param) -> torch.Tensor:
+        """The amax of this rank's shard of ``param`` (a DTensor over a wrapper): [1], or for an
+        expert weight [E] with each of the shard's experts at its place and 0 elsewhere (FSDP2 cuts
+        dim 0, the experts, so every shard holds whole experts)."""
+        shard = param._local_tensor._tensor
+        if not self.experts:
+            return tensor_amax(shard)
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        out = torch.zeros(self.experts, dtype=torch.float32, device=shard.device)
+        if shard.shape[0]:
+            amax = shard.detach().abs().reshape(shard.shape[0], -1).amax(dim=1).to(torch.float32)
+            out[offset[0]:offset[0] + shard.shape[0]] = amax
+        return out
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
         """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right
@@ -103,6 +129,11 @@ class _ScaleBook:
     def __init__(self) -> None:
         self.slots: list[_Slot] = []
         self.refreshes = 0   # all-reduces issued (tests and the example count them)
+
+    def __deepcopy__(self, memo) -> "_ScaleBook":
+        # Dynamo's guards deep-copy a traced shard's flatten context (code that reads a sharded
+        # weight, e.g. its shape, outside its module's forward): the book is shared, not copied
+        return self
 
     def amax(self, slot_id: int, shard: "Fp8AllGatherWeight", mesh) -> torch.Tensor:
         """The whole weight's amax (fp32 [1]) for the slot whose local shard is ``shard``."""
@@ -127,11 +158,11 @@ class _ScaleBook:
 
         members = [(slot, param) for slot in self.slots
                    if slot.block_quantizer is None and (param := slot.sharded(mesh)) is not None]
-        amaxes = torch.cat([tensor_amax(param._local_tensor._tensor) for _, param in members])
+        amaxes = torch.cat([slot.local_amax(param) for slot, param in members])
         if mesh.size() > 1:
             dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
         self.refreshes += 1
-        for (slot, param), amax in zip(members, amaxes.split(1)):
+        for (slot, param), amax in zip(members, amaxes.split([max(1, slot.experts) for slot, _ in members])):
             slot.amax, slot.version = amax, param._version
 
 
@@ -200,11 +231,13 @@ class Fp8AllGatherWeight(torch.Tensor):
         quantizer: a Float8Tensor shard's all-gather."""
         slot = self._book.slots[self._slot]
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
-            raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows); "
-                               f"shard {list(self.shape)} of {list(orig_size)}")
+            raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows, or the "
+                               f"experts); shard {list(self.shape)} of {list(orig_size)}")
         dtype = mp_policy.param_dtype or self.dtype
         if slot.block_quantizer is not None:
             return self._block_pre_all_gather(slot, mesh, orig_size, dtype)
+        if slot.experts:
+            return self._expert_pre_all_gather(slot, mesh, orig_size, dtype)
         # max|round(x)| = round(max|x|): the fp32 amax rounded to param_dtype is the amax of the
         # weight in param_dtype, so one fp32 all-reduce serves every mixed-precision policy.
         amax = self._book.amax(self._slot, self, mesh).to(dtype).float()
@@ -217,6 +250,23 @@ class Fp8AllGatherWeight(torch.Tensor):
         shard = Float8Tensor(data=data.view(torch.uint8), scale_inv=scale_inv, fp8_dtype=data.dtype, dtype=dtype,
                              amax=None if slot.quantizer is None else amax, quantizer=slot.quantizer)
         return shard.fsdp_pre_all_gather(mesh, orig_size, contiguous_orig_stride, module, mp_policy)
+
+    def _expert_pre_all_gather(self, slot, mesh, orig_size, dtype):
+        """A 3-D expert weight: each expert of the shard cast with that expert's scale (from the
+        whole expert's amax, or delayed scaling's [E] state), the bytes padded to FSDP's shard size;
+        every expert's scale_inv [E] (the same on every rank) and amax [E] travel as metadata."""
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        amax = self._book.amax(self._slot, self, mesh).to(dtype).float()   # [E]: as the 2-D case says
+        param = slot.sharded(mesh)
+        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        fp8_dtype = slot.recipe.fp8_format.dtype_for("weight")
+        scale = current_scale(amax, "weight", slot.recipe) if slot.quantizer is None else slot.quantizer.scale
+        local = scale[offset[0]:offset[0] + self.shape[0]]
+        data = cast_to_fp8(self._tensor.to(dtype), local.view(-1, 1, 1), fp8_dtype).view(torch.uint8)
+        meta = GroupedFsdpMeta(torch.div(torch.ones_like(scale), scale), fp8_dtype,
+                               None if slot.quantizer is None else amax, slot.quantizer)
+        return (fsdp_padded_shard(data, orig_size, mesh.size()),), meta
 
     def _block_pre_all_gather(self, slot, mesh, orig_size, dtype):
         """MXFP8 / Float8 block: the shard quantized on its own (its rows are whole blocks, so its
@@ -232,6 +282,8 @@ class Fp8AllGatherWeight(torch.Tensor):
         scaled tensor over the gathered buffers."""
         if isinstance(metadata, FsdpBlockMeta):
             return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
+        if isinstance(metadata, GroupedFsdpMeta):
+            return fsdp_grouped_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
         return fsdp_float8_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
 
 
@@ -255,13 +307,19 @@ def _block_shard_problem(weight: torch.Tensor, recipe) -> Optional[str]:
 
 
 def _linear_weights(model: nn.Module, config: TeConfig):
-    """(module, fqn, recipe) of the nn.Linear modules whose weight is gathered in FP8, and
-    {fqn: why not} for the other linears."""
+    """(module, parameter name, fqn, recipe) of the weights gathered in FP8: the nn.Linear modules'
+    (keyed by the module's fqn) and the 3-D expert weights of MoE layers (keyed by the parameter's
+    fqn); and {fqn: why not} for the others."""
     chosen, skipped = [], {}
     for fqn, module in model.named_modules():
+        recipe, _ = config.recipe_for(fqn)
+        for name, param in module.named_parameters(recurse=False):
+            if param.dim() == 3:   # an MoE layer's experts [E, ...]
+                key = f"{fqn}.{name}" if fqn else name
+                why = _expert_problem(param, recipe, config)
+                (skipped.__setitem__(key, why) if why else chosen.append((module, name, key, recipe)))
         if not isinstance(module, nn.Linear):
             continue
-        recipe, _ = config.recipe_for(fqn)
         if not config.rewrite.linear:
             skipped[fqn] = "[rewrite] linear = false"
         elif not (recipe is not None and (recipe.per_tensor or recipe.weight_gather_block_rows)):
@@ -277,8 +335,25 @@ def _linear_weights(model: nn.Module, config: TeConfig):
         elif recipe.weight_gather_block_rows and (why := _block_shard_problem(module.weight, recipe)):
             skipped[fqn] = why
         else:
-            chosen.append((module, fqn, recipe))
+            chosen.append((module, "weight", fqn, recipe))
     return chosen, skipped
+
+
+def _expert_problem(param: torch.Tensor, recipe, config: TeConfig) -> Optional[str]:
+    """Why a 3-D expert weight [E, ...] is not gathered in FP8, or None."""
+    if not config.rewrite.grouped_linear:
+        return "[rewrite] grouped_linear = false"
+    if recipe is None or not recipe.per_tensor:
+        name = recipe.name if recipe is not None else "none"
+        return (f"recipe {name}: expert weights are gathered in FP8 under Float8CurrentScaling and "
+                f"DelayedScaling (one scale per expert)")
+    if isinstance(param, Fp8AllGatherWeight):
+        return "already wrapped"
+    if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return f"weight dtype {param.dtype} is not one of fp32, bf16, fp16"
+    if any(d % recipe.gemm_alignment for d in param.shape[1:]):
+        return f"expert weight {list(param.shape)}: {recipe.gemm_alignment_reason}"
+    return None
 
 
 def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeConfig, None] = None,
@@ -289,17 +364,20 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
     ``config``/``options``: as for ``te_compile.backend`` (a TOML path or TeConfig, inline keys;
     default: the config ``torch.compile(..., backend="te")`` would resolve). Linears whose recipe is
     Float8CurrentScaling, DelayedScaling, MXFP8BlockScaling or Float8BlockScaling get their weight
-    wrapped (block formats where the shards are whole blocks); others keep high-precision all-gathers.
-    Returns {linear fqn: what happened}, e.g. ``{"layers.0.mlp.up": "FP8 all-gather", "lm_head":
+    wrapped (block formats where the shards are whole blocks); so do the 3-D parameters of modules
+    under Float8CurrentScaling or DelayedScaling, taken as MoE expert weights [E, ...] (one scale per
+    expert; FSDP2 shards dim 0, so each rank holds whole experts); others keep high-precision
+    all-gathers. Returns {linear fqn or expert weight fqn: what happened}, e.g. ``{"layers.0.mlp.up":
+    "FP8 all-gather", "layers.0.moe.experts.w1": "FP8 all-gather (one scale per expert)", "lm_head":
     "recipe none: ..."}``.
     """
     chosen, outcome = _linear_weights(model, config_argument(config, options, "enable_fp8_all_gather"))
     book = _ScaleBook()
-    for module, fqn, recipe in chosen:
-        weight = module.weight
-        book.slots.append(_Slot(module, "weight", fqn, recipe))
+    for module, name, fqn, recipe in chosen:
+        weight = getattr(module, name)
+        book.slots.append(_Slot(module, name, fqn, recipe))
         wrapped = Fp8AllGatherWeight(weight.detach(), book, len(book.slots) - 1)
-        module.weight = nn.Parameter(wrapped, requires_grad=weight.requires_grad)
-        outcome[fqn] = "FP8 all-gather"
+        setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
+        outcome[fqn] = "FP8 all-gather" + (" (one scale per expert)" if weight.dim() == 3 else "")
     model._te_fp8_all_gather = book
     return dict(sorted(outcome.items()))

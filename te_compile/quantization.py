@@ -25,6 +25,7 @@ from .scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
 from .state import state_for
 from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
+from .tensor.grouped_float8_tensor import GroupedFloat8Quantizer
 from .tensor.mxfp8_tensor import MXFP8Quantizer
 from .tensor.nvfp4_tensor import NVFP4Quantizer
 from .tensor.quantized_tensor import Quantizer
@@ -121,6 +122,8 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
                              f"compiled graph's state for that parameter)")
         state = state_for(weight, recipe.amax_history_len, where)
         scale = state.roles["weight"].scale
+        if state.experts:   # a 3-D expert weight: one scale per expert
+            return GroupedFloat8Quantizer(scale, fp8_dtype, linear_state=state)
         quantizer = Float8Quantizer(scale, torch.zeros(1, device=scale.device), fp8_dtype, columnwise=False)
         # travels with the weight's copies (views, FSDP2 shards and gathers keep the quantizer):
         # te_compile.state finds this state for them

@@ -527,6 +527,15 @@ def test_error_unknown_rewrite_key(error_for):
     assert message.startswith("bad.toml: rewrite.sdpa: expected a bool")
 
 
+def test_expert_amax_group_loads_and_names_the_allowed_groups(tmp_path, error_for):
+    config = load_config(write(tmp_path / "ep.toml", '[distributed]\nexpert_amax_group = "none"\n'))
+    assert config.distributed.expert_amax_group == "none" and config.distributed.amax_group == "world"
+    assert load_config(write(tmp_path / "d.toml", "")).distributed.expert_amax_group == "same"
+    message = error_for('[distributed]\nexpert_amax_group = "experts"\n')
+    assert message == ("bad.toml: distributed.expert_amax_group: unknown amax group 'experts'; allowed: "
+                       "['same', 'world', 'none'] (or, from Python, a ProcessGroup or a 1-D DeviceMesh)")
+
+
 def test_error_bad_compiler(error_for):
     message = error_for('compiler = "eager"\n')
     assert message == "bad.toml: compiler: must be one of ['inductor', 'aot_eager'], got 'eager'"

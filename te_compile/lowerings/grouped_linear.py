@@ -32,10 +32,11 @@ import torch
 from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
 from ..quantization import quantize_copies, quantize_per_expert, quantize_rows_per_group, quantizer_factory
 from ..recipe import Recipe
-from ..tensor.quantized_tensor import prepare_for_saving, restore_from_saved
+from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
+from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 
 __all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "Fp8GroupedLinearFunction", "BlockGroupedLinearFunction",
-           "grouped_fprop", "grouped_dgrad_wgrad"]
+           "expert_weight_operand", "grouped_fprop", "grouped_dgrad_wgrad"]
 
 
 @dataclass(frozen=True)
@@ -59,13 +60,28 @@ def _per_column(scale_inv: torch.Tensor, columns: int) -> torch.Tensor:
     return scale_inv[:, None].expand(scale_inv.shape[0], columns)
 
 
+def expert_weight_operand(w_ekn, recipe, w_scale=None):
+    """The weight operand of the grouped GEMMs: (wq [E, N, K] fp8 contiguous, scale_inv [E], amax [E]).
+    An expert weight FSDP2 gathered in FP8 (a GroupedFloat8Tensor of the recipe's weight format) is
+    used as it is, its amaxes those of the high-precision values (delayed scaling's history); anything
+    else is quantized per expert here, with DelayedScaling's ``w_scale`` [E] or its own amaxes."""
+    fp8_dtype = recipe.fp8_format.dtype_for("weight")
+    if isinstance(w_ekn, GroupedFloat8Tensor) and w_ekn._fp8_dtype == fp8_dtype:
+        w_enk = w_ekn.transpose(1, 2)
+        amax = w_enk._amax if w_enk._amax is not None else w_enk._scale_inv.new_zeros(w_enk.shape[0])
+        return w_enk._data.view(fp8_dtype).contiguous(), w_enk._scale_inv, amax
+    if isinstance(w_ekn, QuantizedTensor):
+        w_ekn = w_ekn.dequantize()
+    wq, w_sinv, w_amax = quantize_per_expert(w_ekn.transpose(1, 2), "weight", recipe, w_scale)
+    return wq.contiguous(), w_sinv, w_amax
+
+
 def grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale=None, *, out_dtype):
     """The forward grouped GEMM from an FP8 input made by the caller: y [M, N] = xq @ quantize(w)[e]
     per expert. xq: [M, K] fp8; x_sinv: [E]; groups: int64 [M] (``group_index``); w_ekn: [E, K, N];
     w_scale: DelayedScaling's [E], else None. Returns (y, wq [E, N, K] contiguous: saved for dgrad,
     w's scale_inv [E], w's amax [E])."""
-    wq, w_sinv, w_amax = quantize_per_expert(w_ekn.transpose(1, 2), "weight", recipe, w_scale)
-    wq = wq.contiguous()
+    wq, w_sinv, w_amax = expert_weight_operand(w_ekn, recipe, w_scale)
     y = scaled_grouped_mm(xq, wq.transpose(1, 2), _per_row(x_sinv, groups), _per_column(w_sinv, wq.shape[1]),
                           offs, out_dtype)
     return y, wq, w_sinv, w_amax

@@ -67,13 +67,15 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     seen and the extra inputs the rewritten graph takes."""
     try:
         amax_group = resolve_amax_group(config.distributed.amax_group)
+        experts = config.distributed.expert_amax_group
+        expert_group = amax_group if isinstance(experts, str) and experts == "same" else resolve_amax_group(experts)
     except ValueError as e:
         raise ConfigError(f"{config.source}: distributed.{e}") from None
     scopes = graph_scopes(gm, example_inputs)
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
-    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group)
+    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

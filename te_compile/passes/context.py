@@ -26,6 +26,7 @@ class PassContext:
     graph_id: int
     delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
     amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
+    expert_amax_group: Optional[AmaxGroup] = None   # config.distributed.expert_amax_group, resolved
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:

@@ -12,6 +12,7 @@ from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_native_grouped_g
 from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
+from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from .context import PassContext
 from .eligibility import divisible
@@ -43,8 +44,8 @@ def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
         x = x.flatten(0, 1)   # E groups of T rows
     if is_dtensor(x) or is_dtensor(w):
         return "DTensor operands (experts sharded by tensor parallelism) are not lowered yet"
-    if isinstance(w, QuantizedTensor):
-        return f"weight is a {type(w).__name__} (FP8 experts from FSDP2 or primary weights are not lowered yet)"
+    if isinstance(w, QuantizedTensor) and not (isinstance(w, GroupedFloat8Tensor) and recipe.per_tensor):
+        return f"weight is a {type(w).__name__} (FP8 experts are lowered as FSDP2's per-expert FP8 all-gather makes them)"
     if x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:
         return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
     if x.device.type not in ("cpu", "cuda"):
@@ -91,7 +92,8 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             continue
         extra, collectives = [], ""
         if recipe.delayed():
-            groups = (ctx.amax_group,) if recipe.reduce_amax and ctx.amax_group is not None else ()
+            group = ctx.expert_amax_group   # the ranks holding the same experts ([distributed] expert_amax_group)
+            groups = (group,) if recipe.reduce_amax and group is not None else ()
             # a carrier only where autograd will run this call's backward
             backward = bool(getattr(site.node.meta.get("example_value"), "requires_grad", False))
             extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, backward, groups)
@@ -110,6 +112,8 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         else:
             kind = (f"{recipe.format_label} per expert, emulated GEMMs (dequantize-then-matmul, expert by "
                     f"expert; no block spans two experts)")
+        if isinstance(value_of(site.weight), GroupedFloat8Tensor):
+            why += "; weight already FP8 per expert (FSDP2's all-gather), used as is"
         record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)
     for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
         _replace(scope, site, lowering, extra)

@@ -43,7 +43,9 @@ def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple,
         plain = ((ctx.amax_group,),) * 3
     roles = merge_role_groups(plan.groups if plan else NO_GROUPS, plain)
     if recipe.delayed():
-        wanted = [ctx.amax_group] if recipe.reduce_amax and ctx.amax_group is not None else []
+        # one expert's matrix in a per-expert loop: the ranks holding the same experts
+        group = ctx.amax_group if site.expert is None else ctx.expert_amax_group
+        wanted = [group] if recipe.reduce_amax and group is not None else []
         groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
         text = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step" if groups else ""
         return plain, groups, text
