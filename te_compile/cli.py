@@ -283,7 +283,7 @@ def _torchao_float8(model: torch.nn.Module, emulate: bool, recipe: str = "tensor
 def _demo(args: argparse.Namespace) -> int:
     from . import report as te_report, reset
     from .data import VOCAB_SIZE, get_batch
-    from .models import GPT, gpt_small, gpt_tiny
+    from .models import GPT, gpt_moe, gpt_small, gpt_tiny
 
     if args.plot:
         try:
@@ -308,7 +308,7 @@ def _demo(args: argparse.Namespace) -> int:
     te = _te_backend(args.config, args.recipe, args.compiler, default_recipe=_DEFAULT_RECIPE)
     hp_backend = "inductor" if args.compiler in (None, "inductor") else args.compiler
 
-    factory = gpt_tiny if args.model == "tiny" else gpt_small
+    factory = {"small": gpt_small, "tiny": gpt_tiny, "moe": gpt_moe}[args.model]
     probe = factory()
     block_size = probe.block_size
     gen = torch.Generator().manual_seed(args.seed)
@@ -319,7 +319,10 @@ def _demo(args: argparse.Namespace) -> int:
     n_layer, n_embd = len(probe.blocks), probe.tok_emb.embedding_dim
     out = sys.stdout
     layers = f"{n_layer} layer{'s' if n_layer != 1 else ''}"
-    print(f"te-compile demo: GPT ({layers}, width {n_embd}, {n_params / 1e6:.2f}M params, "
+    moe = hasattr(probe.blocks[0], "moe")
+    experts = (f", MoE: {probe.blocks[0].moe.router.out_features} experts, top-{probe.blocks[0].moe.top_k}, "
+               f"a shared expert" if moe else "")
+    print(f"te-compile demo: GPT ({layers}, width {n_embd}{experts}, {n_params / 1e6:.2f}M params, "
           f"vocab {VOCAB_SIZE}) on the Python standard library's source bytes", file=out)
     print(f"  {args.steps} steps of AdamW (lr {args.lr:g}, {_warmup_steps(args.steps)} warmup steps), "
           f"batch {args.batch_size} x {block_size} tokens, {device.type} {dtype_name}, seed {args.seed}",
@@ -568,8 +571,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--peer", choices=_PEERS,
                       help="add a third run with a peer's FP8 training on the same model and batches: "
                            f"torchao float8 (tensorwise; needs {_BENCH_HINT})")
-    # for tests and quick checks: a one-block model, and aot_eager (no inductor codegen) for both runs
-    demo.add_argument("--model", choices=("small", "tiny"), default="small", help=argparse.SUPPRESS)
+    demo.add_argument("--model", choices=("small", "moe", "tiny"), default="small",
+                      help="small: 4 blocks of width 128 (default); moe: the same with a mixture of 8 "
+                           "experts (top-2, a shared expert) in every block; tiny: one block, for quick checks")
+    # for tests and quick checks: aot_eager (no inductor codegen) for both runs
     demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
     demo.set_defaults(handler=_demo)
 

@@ -191,6 +191,17 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, con
         assert plot.stat().st_size > 0
 
 
+@pytest.mark.slow
+def test_demo_moe_rewrites_every_expert_gemm(capsys):
+    argv = ["demo", "--model", "moe", "--compiler", "aot_eager", "--steps", "2", "--batch-size", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MoE: 8 experts, top-2, a shared expert" in out, out
+    # 4 blocks: 3 grouped GEMMs each and the SwiGLU between them; the routers (N = 8) stay high precision
+    assert "grouped_linear 12/12, swiglu 4/4" in out and "linear 17/21" in out, out
+    assert "linear, 4 sites not rewritten: out_features (N)=8 is not divisible by 16" in out, out
+
+
 def _site(fqn: str, op: str, rewritten: bool, reason: str, graph: int = 0) -> SiteRecord:
     return SiteRecord(fqn, op, "Float8CurrentScaling" if rewritten else None, rewritten, reason,
                       "x[4, 32]", graph)
