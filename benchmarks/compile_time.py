@@ -22,7 +22,8 @@ so check the load before a run.
 
 Models: ``small`` is the demo's (``gpt_small``: 4 layers x 128, block 64, batch 8); ``nanogpt`` is
 nanoGPT's model code at 4 layers x 256, 4 heads, block 256, batch 8 (``te_compile.models.GPT``);
-``tiny`` is the one-block test model. Providers: inductor (fp32 on CPU, bf16 on CUDA), te with each of
+``tiny`` is the one-block test model; ``moe`` is the demo's MoE model (``gpt_moe``: ``small`` with 8
+experts, top-2, and a shared expert in every block). Providers: inductor (fp32 on CPU, bf16 on CUDA), te with each of
 ``--recipes``, torchao float8 tensorwise and, when a block recipe is asked, rowwise (``emulate=True``
 off CUDA; shown as not installed without the ``bench`` extra).
 """
@@ -45,7 +46,8 @@ _TORCHAO = "torchao-"   # provider ids "torchao-tensorwise", "torchao-rowwise"
 # model name -> (factory in te_compile.models, its arguments, batch size)
 _MODELS = {"small": ("gpt_small", {}, 8),
            "nanogpt": ("GPT", {"vocab_size": 256, "n_layer": 4, "n_head": 4, "n_embd": 256, "block_size": 256}, 8),
-           "tiny": ("gpt_tiny", {}, 8)}
+           "tiny": ("gpt_tiny", {}, 8),
+           "moe": ("gpt_moe", {}, 8)}
 
 
 def _model(name: str):
@@ -144,7 +146,7 @@ def main() -> None:
                         help="te recipes to measure (default: Float8CurrentScaling DelayedScaling)")
     parser.add_argument("--model", choices=tuple(_MODELS), default="small",
                         help="the demo's model (small, the default), nanoGPT's size (nanogpt: 4 layers x 256, "
-                             "block 256) or the one-layer test model (tiny)")
+                             "block 256), the one-layer test model (tiny) or the demo's MoE model (moe)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default=None, help="default: cuda when available")
     parser.add_argument("--repeat", type=int, default=1, help="rounds over the providers; medians are shown")
     parser.add_argument("--steps", type=int, default=5,

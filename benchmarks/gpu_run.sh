@@ -12,6 +12,7 @@
 #   bash benchmarks/gpu_run.sh lease      # one 15-minute lease: tests, then suite-b, then suite-a,
 #                                         # each under its own timeout so a slow part cannot eat the rest
 #   bash benchmarks/gpu_run.sh lease-2    # the next lease: tests again, FP8 attention, then suite-c
+#   bash benchmarks/gpu_run.sh moe        # bench_moe.py at the Mixtral-like and small-expert shapes
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -22,8 +23,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|moe) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|moe" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -98,6 +99,9 @@ case "$part" in
         start=$SECONDS
         timeout 110 "$PY" benchmarks/gpu_suite.py --no-append --only quantize epilogue norm > "$OUT/suite-a.txt" 2>&1
         echo "suite-a: rc $? in $((SECONDS - start)) s"; tail -45 "$OUT/suite-a.txt"
+        ;;
+    moe)
+        "$PY" benchmarks/bench_moe.py --device cuda --iters 20 2>&1 | tee "$OUT/moe.txt" | tail -30
         ;;
     all-tests)
         "$PY" -m pytest -q -rs 2>&1 | tee "$OUT/all-tests.log" | tail -40

@@ -1,0 +1,178 @@
+"""One MoE layer's training step, forward + backward: te vs inductor vs torchao's MoE FP8 prototype,
+measured side by side in one run.
+
+    python benchmarks/bench_moe.py                  # CPU: small shapes (see SHAPES)
+    python benchmarks/bench_moe.py --device cuda    # Mixtral-like and small-expert shapes, 16k tokens
+
+The layer (``MoELayer``, written as torchtitan writes one): a router (``nn.Linear``, top-k of a
+softmax), each token's copies sorted by expert, the experts as three grouped GEMMs with a SwiGLU
+(``te_compile.models.Experts``: 3-D weights through ``torch._grouped_mm`` in bf16), and the weighted
+sum back to the tokens. Shapes: Mixtral-like (E = 8, top-2, hidden 4096, ffn 14336) and small experts
+(E = 64, top-8, hidden 2048, ffn 1408), 16k tokens, on CUDA; scaled down on CPU.
+
+Providers: ``inductor`` (torch.compile in high precision: the experts' grouped GEMMs in bf16 as the
+model casts them, the rest bf16 on CUDA and fp32 on CPU); ``te <Recipe>`` (torch.compile with
+backend="te"); ``torchao MoE float8 rowwise`` (``torchao.quantization.quantize_`` with
+``Float8TrainingOpConfig`` on the experts, then inductor) when torchao imports; its FP8 grouped GEMM
+(``torch._scaled_grouped_mm`` and Triton kernels) needs an sm90 GPU: off CUDA the row says how it failed.
+
+Columns: the median step time and its ratio to inductor's; the first call (compile included); the
+bytes one step saves for backward (distinct storages, parameters excluded: te keeps FP8 copies of the
+expert GEMMs' operands, inductor high-precision activations) and their ratio; the expert GEMM sites te
+rewrote. The goals (GPU: expert GEMMs fwd+bwd >= 1.3x bf16 at the Mixtral shape, never slower than
+bf16 at the small-expert shape; CPU: saved bytes <= 0.6x high precision) are printed beside the
+measured figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+from tabulate import tabulate
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _common  # noqa: E402
+import te_compile  # noqa: E402
+from te_compile.cli import _saved_for_backward_bytes  # noqa: E402
+from te_compile.models import Experts  # noqa: E402
+
+# name -> (experts, top-k, hidden, ffn, tokens), per device
+SHAPES = {
+    "cuda": {"mixtral": (8, 2, 4096, 14336, 16384), "small experts": (64, 8, 2048, 1408, 16384)},
+    "cpu": {"mixtral": (8, 2, 256, 512, 1024), "small experts": (32, 8, 128, 96, 512)},
+}
+GOALS = {"mixtral": 1.3, "small experts": 1.0, "saved_cpu": 0.6}
+TE_RECIPES = ("Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+
+
+class MoELayer(nn.Module):
+    """Router, top-k, permute, experts, unpermute: one MoE layer without its shared expert."""
+
+    def __init__(self, experts: int, top_k: int, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.router = nn.Linear(hidden, experts, bias=False)
+        self.experts = Experts(experts, hidden, ffn)
+        for p in self.experts.parameters():
+            nn.init.normal_(p, std=hidden ** -0.5)
+
+    def forward(self, x: torch.Tensor, targets: Optional[torch.Tensor] = None):
+        weights, chosen = self.router(x).softmax(-1).topk(self.top_k, dim=-1)          # [T, k]
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.zeros(self.router.out_features, dtype=torch.int64, device=x.device)
+        counts = counts.scatter_add(0, flat, torch.ones_like(flat))
+        routed = self.experts(x[order // self.top_k], counts) * weights.reshape(-1)[order, None]
+        y = torch.zeros_like(x).index_add(0, order // self.top_k, routed)
+        return y, y.float().square().mean()
+
+
+def _torchao_moe(model: MoELayer) -> MoELayer:
+    from torchao.prototype.moe_training.config import Float8TrainingOpConfig
+    from torchao.quantization import quantize_
+
+    # quantize_'s default filter takes nn.Linear modules only: name the experts, as torchtitan does
+    quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, Experts))
+    return model
+
+
+def _providers(device: torch.device, recipes) -> list[tuple[str, Callable, str]]:
+    """(name, model -> step callable's model, note)."""
+    out = [("inductor", lambda m: torch.compile(m, dynamic=False), "torch.compile, experts in bf16")]
+    for recipe in recipes:
+        options = dict(_common.TE_RECIPES.get(recipe, {}), recipe=recipe)
+        out.append((f"te {recipe}", lambda m, o=options: torch.compile(m, backend=te_compile.backend(**o),
+                                                                       dynamic=False), ""))
+    if _common.torchao_available():
+        out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(_torchao_moe(m), dynamic=False),
+                    "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs)"))
+    else:
+        out.append(("torchao MoE float8 rowwise", None, _common.TORCHAO_MISSING))
+    return out
+
+
+def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) -> list[dict]:
+    experts, top_k, hidden, ffn, tokens = SHAPES[device.type][name]
+    torch.manual_seed(0)
+    base = MoELayer(experts, top_k, hidden, ffn).to(device=device, dtype=dtype)
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype, generator=None)
+    # three GEMMs of [tokens * k, hidden] x [hidden, ffn] (or back), forward and two backward each
+    flops = 6.0 * 3 * tokens * top_k * hidden * ffn
+    rows, baseline, baseline_bytes = [], None, None
+    for provider, prepare, note in _providers(device, recipes):
+        row = {"shape": name, "provider": provider, "ms": None, "vs inductor": None, "TFLOP/s": None,
+               "first s": None, "saved MiB": None, "saved vs inductor": None, "expert sites": "", "note": note}
+        rows.append(row)
+        if prepare is None:
+            continue
+        torch._dynamo.reset()
+        te_compile.reset()
+        try:
+            model = prepare(_common.fresh_copy(base))
+
+            def step():
+                model(x)[1].backward()
+            first, median = _common.time_step(step, device, args.iters, args.warmup)
+            saved = _saved_for_backward_bytes(model, x, None)
+        except Exception as e:   # one provider failing must not hide the others
+            row["note"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:100]}" if str(e).strip() \
+                else f"failed: {type(e).__name__}"
+            continue
+        if provider == "inductor":
+            baseline, baseline_bytes = median, saved
+        sites = [s for s in te_compile.report().sites if s.op == "grouped_linear"]
+        row.update({"ms": median * 1e3, "TFLOP/s": flops / median / 1e12, "first s": first,
+                    "saved MiB": saved / 2**20,
+                    "expert sites": f"{sum(s.rewritten for s in sites)}/{len(sites)}" if provider.startswith("te")
+                    else ""})
+        if baseline:
+            row["vs inductor"] = baseline / median
+            row["saved vs inductor"] = saved / baseline_bytes
+        print(f"  {name:>14}  {provider:<28} {median * 1e3:9.2f} ms  saved {saved / 2**20:8.2f} MiB", flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", nargs="+", choices=("mixtral", "small experts"), default=["mixtral", "small experts"])
+    parser.add_argument("--recipes", nargs="+", choices=TE_RECIPES, default=list(TE_RECIPES[:2]),
+                        help="te recipes (default: Float8CurrentScaling DelayedScaling)")
+    _common.add_common_args(parser)
+    args = parser.parse_args()
+    device = _common.resolve_device(args)
+    if device.type == "cpu":
+        args.iters = min(args.iters, 5)
+    dtype = _common.baseline_dtype(device)
+    print(f"bench_moe: one MoE layer, forward + backward, {_common.describe_machine(device)}; median of "
+          f"{args.iters} after {args.warmup} warm-up", flush=True)
+    rows = [r for shape in args.shapes for r in _case(shape, device, dtype, args, args.recipes)]
+
+    def fmt(v, spec):
+        return "n/a" if v is None else format(v, spec)
+    table = [(r["shape"], r["provider"], fmt(r["ms"], ".2f"), fmt(r["vs inductor"], ".2f") + "x" * (r["vs inductor"] is not None),
+              fmt(r["TFLOP/s"], ".3f"), fmt(r["first s"], ".1f"), fmt(r["saved MiB"], ".2f"),
+              fmt(r["saved vs inductor"], ".2f") + "x" * (r["saved vs inductor"] is not None), r["expert sites"], r["note"])
+             for r in rows]
+    print()
+    print(tabulate(table, headers=["shape", "provider", "median ms", "vs inductor", "TFLOP/s", "first call s",
+                                   "saved MiB", "saved vs inductor", "expert sites", "note"], disable_numparse=True))
+    print("\ngoals:")
+    for r in rows:
+        if not r["provider"].startswith("te ") or r["ms"] is None:
+            continue
+        if device.type == "cuda":
+            print(f"- {r['shape']}, {r['provider']}: {r['vs inductor']:.2f}x bf16 (goal >= {GOALS[r['shape']]}x)")
+        else:
+            print(f"- {r['shape']}, {r['provider']}: saved {r['saved vs inductor']:.2f}x high precision "
+                  f"(goal <= {GOALS['saved_cpu']}x); speed on CPU says nothing about a GPU")
+
+
+if __name__ == "__main__":
+    main()
