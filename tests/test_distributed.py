@@ -550,7 +550,8 @@ def test_distributed_config_from_toml_tables():
 
 @pytest.mark.parametrize("table, key, words", [
     ({"distributed": {"amax_group": "tp"}}, "distributed.amax_group", "allowed: ['world', 'none']"),
-    ({"distributed": {"group": "world"}}, "distributed.group", "allowed keys: ['amax_group', 'sharded_modules']"),
+    ({"distributed": {"group": "world"}}, "distributed.group",
+     "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules']"),
     ({"distributed": {"sharded_modules": "up"}}, "distributed.sharded_modules", "array of module globs"),
     ({"distributed": {"sharded_modules": ["up["]}}, "distributed.sharded_modules[0]", "without a closing"),
     ({"amax_group": 3}, "amax_group", "a ProcessGroup or a 1-D DeviceMesh"),
