@@ -1,4 +1,5 @@
-"""FP8 primary weights: ``nn.Linear`` weights that exist only in their quantized form.
+"""FP8 primary weights: ``nn.Linear`` weights (and MoE expert weights) that exist only in their
+quantized form.
 
 Inside ``with te_compile.quantized_model_init(recipe=...)`` every ``nn.Linear`` (and subclass) built
 holds its weight as a quantized parameter of the recipe's weight format and nothing else: a
@@ -17,8 +18,15 @@ Delayed scaling: the weight is quantized with the scale the compiled graph keeps
 (te_compile.state, keyed by this very parameter), and carries the amax of the values it came from
 (``Float8Tensor._amax``) for the graph's amax history, as an on-the-fly weight would.
 
+MoE expert weights, the 3-D parameters a module registers inside the block ([E, ...], e.g. HF
+Mixtral's ``gate_up_proj``, torchtitan's ``w1``), become ``GroupedFloat8Tensor`` parameters with one
+scale per expert under Float8CurrentScaling and DelayedScaling (the block formats keep them in high
+precision). A module's own initialization of such a weight in place (``nn.init.normal_``) quantizes
+the new values back, expert by expert.
+
 Mechanism: while a context is active, ``nn.Linear.__init__`` is wrapped to convert the weight when
-the module is built; the original is restored when the outermost context exits. Weights whose shape
+the module is built, and ``nn.Module.register_parameter`` to convert 3-D parameters as they are
+registered; the originals are restored when the outermost context exits. Weights whose shape
 the recipe's GEMMs cannot take (K or N not a multiple of 16, 32 for MXFP8) and non-float weights stay
 in high precision, as the backend would keep those linears.
 """
@@ -34,11 +42,12 @@ import torch
 import torch.nn as nn
 
 from .config import resolve_config
-from .quantization import weight_ineligibility, weight_quantizer
+from .quantization import quantize_per_expert, weight_ineligibility, weight_quantizer
 from .recipe import RECIPES, Recipe
 from .scaling import tensor_amax
 from .tensor.block_scaled_tensor import BlockScaledTensor
 from .tensor.float8_tensor import Float8Quantizer
+from .tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from .tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["quantized_model_init"]
@@ -55,6 +64,7 @@ class _Init:
 # Active contexts, innermost last; None entries are ``enabled=False`` contexts (they switch it off).
 _STACK: list[Optional[_Init]] = []
 _ORIGINAL_LINEAR_INIT = nn.Linear.__init__
+_ORIGINAL_REGISTER_PARAMETER = nn.Module.register_parameter
 
 
 def _check_recipe(recipe) -> Recipe:
@@ -105,6 +115,43 @@ def _quantize_linear(linear: nn.Linear, spec: _Init) -> None:
     linear.weight = param
 
 
+def _quantize_experts(param: nn.Parameter, spec: _Init) -> nn.Parameter:
+    """An MoE layer's 3-D expert weight [E, ...] as a GroupedFloat8Tensor parameter, one scale per
+    expert, or ``param`` itself where the recipe or its shape has no per-expert FP8 form."""
+    recipe = spec.recipe
+    why = (f"{recipe.name} has no per-expert primary-weight format (Float8CurrentScaling and DelayedScaling "
+           f"have)") if not recipe.per_tensor else weight_ineligibility(param[0], recipe)
+    if why is not None:
+        log.info("quantized_model_init: an expert weight %s stays in high precision: %s", list(param.shape), why)
+        return param
+    hp = param.detach()
+    if recipe.delayed() and hp.is_meta:
+        raise ValueError("quantized_model_init: DelayedScaling primary weights cannot be built on the meta "
+                         "device yet; build them on the target device (current scaling and the block "
+                         "formats can)")
+    # delayed scaling: scale 1 first, the scale a new state starts from, as for a linear's weight
+    scale = torch.ones(hp.shape[0], device=hp.device) if recipe.delayed() else None
+    data, scale_inv, amax = quantize_per_expert(hp, "weight", recipe, scale)
+    value = GroupedFloat8Tensor(data=data.view(torch.uint8), scale_inv=scale_inv, fp8_dtype=data.dtype, dtype=hp.dtype,
+                                amax=amax if recipe.delayed() else None)
+    out = nn.Parameter(value, requires_grad=param.requires_grad)
+    # current scaling: the quantizer with the recipe's options (the master-weight cast applies them per
+    # expert); delayed: the [E] scales the compiled graph keeps for this very parameter
+    out._quantizer = weight_quantizer(recipe, out, "quantized_model_init") if recipe.delayed() else \
+        weight_quantizer(recipe)
+    if spec.keep_init_val:
+        out._hp_init = [QuantizedTensor.PENDING if hp.is_meta else hp.to("cpu", copy=True)]
+    return out
+
+
+def _register_parameter(self, name: str, param) -> None:
+    spec = _STACK[-1] if _STACK else None
+    if (spec is not None and param is not None and param.dim() == 3 and param.is_floating_point()
+            and not isinstance(param, QuantizedTensor)):
+        param = _quantize_experts(param, spec)
+    _ORIGINAL_REGISTER_PARAMETER(self, name, param)
+
+
 def _linear_init(self, *args, **kwargs):
     _ORIGINAL_LINEAR_INIT(self, *args, **kwargs)
     spec = _STACK[-1] if _STACK else None
@@ -134,9 +181,11 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
         spec = _Init(_check_recipe(recipe), bool(preserve_high_precision_init_val))
     _STACK.append(spec)
     nn.Linear.__init__ = _linear_init
+    nn.Module.register_parameter = _register_parameter
     try:
         yield
     finally:
         _STACK.pop()
         if not _STACK:
             nn.Linear.__init__ = _ORIGINAL_LINEAR_INIT
+            nn.Module.register_parameter = _ORIGINAL_REGISTER_PARAMETER

@@ -625,6 +625,66 @@ def test_hf_llama_with_fp8_primary_weights_trains_like_on_the_fly_weights():
     assert sum("used as is" in r for r in used) == len(quantized)
 
 
+def test_expert_weights_get_one_scale_per_expert_and_their_master_cast_equals_quantizing_them():
+    from te_compile.quantization import quantize_per_expert
+    from te_compile.tensor.grouped_float8_tensor import GroupedFloat8Tensor
+
+    recipe = Float8CurrentScaling(use_power_2_scales=True)
+    with quantized_model_init(recipe=recipe):
+        experts = nn.Module()
+        experts.w = nn.Parameter(torch.randn(4, 48, 32))
+        experts.w_odd = nn.Parameter(torch.randn(4, 48, 24))   # K = 24: stays high precision
+        experts.bias = nn.Parameter(torch.randn(4, 48))         # 2-D, not a linear's: left as it is
+    assert isinstance(experts.w, GroupedFloat8Tensor) and type(experts.w_odd) is nn.Parameter
+    assert type(experts.bias) is nn.Parameter
+    master = torch.randn(4, 48, 32) * torch.tensor([1.0, 100.0, 0.01, 3.0]).view(4, 1, 1)
+    cast_master_weights_to_fp8([experts.w], [master])
+    data, scale_inv, _ = quantize_per_expert(master, "weight", recipe)
+    assert_bitwise_equal(experts.w._data, data.view(torch.uint8), "bytes")
+    assert_bitwise_equal(experts.w._scale_inv, scale_inv, "per-expert scales (powers of two)")
+
+
+@pytest.mark.parametrize("name", ["Float8CurrentScaling", "DelayedScaling"])
+def test_hf_mixtral_expert_weights_as_fp8_primary_weights_train_like_on_the_fly_weights(name):
+    """A tiny Hugging Face Mixtral (fp32: transformers' grouped GEMM op reads the 3-D expert weights as
+    they are) built inside quantized_model_init: its expert weights become GroupedFloat8Tensors with one
+    scale per expert, the grouped GEMMs use their bytes, and 3 SGD steps through fp32 masters and
+    cast_master_weights_to_fp8 are bitwise equal to fp32 weights quantized on the fly."""
+    from te_compile.tensor.grouped_float8_tensor import GroupedFloat8Tensor
+
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=32)
+    recipe, _ = RECIPES[name]
+    torch.manual_seed(0)
+    with quantized_model_init(recipe=recipe, preserve_high_precision_init_val=True):
+        fp8 = transformers.MixtralForCausalLM(config)
+    ref = transformers.MixtralForCausalLM(config)
+    experts = fp8.model.layers[0].mlp.experts
+    assert isinstance(experts.gate_up_proj, GroupedFloat8Tensor) and experts.gate_up_proj._scale_inv.shape == (4,)
+    quantized = {n: p for n, p in fp8.named_parameters() if isinstance(p, QuantizedTensor)}
+    with torch.no_grad():
+        for (n, a), b in zip(ref.named_parameters(), fp8.parameters()):
+            a.copy_(b.get_high_precision_init_val() if n in quantized else b)
+    masters = [p.get_high_precision_init_val().clone() for p in quantized.values()]
+    options = {"recipe": name, "compiler": "aot_eager"}
+    models = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+    te_compile.reset()
+    for step in range(3):
+        losses = []
+        for model in models:
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            losses.append(loss.detach())
+        assert_bitwise_equal(losses[0], losses[1], f"step {step}")
+        _sgd(0.1, ref.parameters())
+        _sgd(0.1, [p for n, p in fp8.named_parameters() if n not in quantized], list(quantized.values()), masters)
+    grouped = [s.reason for s in te_compile.report().sites if s.op == "grouped_linear"]
+    assert grouped and all("weight already FP8 per expert" in r for r in grouped[len(grouped) // 2:]), grouped
+
+
 def test_state_dict_round_trip_of_fp8_primary_weights(tmp_path):
     with quantized_model_init(recipe=Float8CurrentScaling()):
         model = nn.Linear(64, 32)

@@ -45,7 +45,8 @@ def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
     if is_dtensor(x) or is_dtensor(w):
         return "DTensor operands (experts sharded by tensor parallelism) are not lowered yet"
     if isinstance(w, QuantizedTensor) and not (isinstance(w, GroupedFloat8Tensor) and recipe.per_tensor):
-        return f"weight is a {type(w).__name__} (FP8 experts are lowered as FSDP2's per-expert FP8 all-gather makes them)"
+        return (f"weight is a {type(w).__name__} (FP8 experts are lowered as GroupedFloat8Tensors under a per-tensor "
+                f"recipe: FSDP2's FP8 all-gather and quantized_model_init make them)")
     if x.dtype not in FLOAT_DTYPES or w.dtype not in FLOAT_DTYPES:
         return f"dtype {x.dtype}/{w.dtype} is not one of {[str(d) for d in FLOAT_DTYPES]}"
     if x.device.type not in ("cpu", "cuda"):
@@ -113,7 +114,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             kind = (f"{recipe.format_label} per expert, emulated GEMMs (dequantize-then-matmul, expert by "
                     f"expert; no block spans two experts)")
         if isinstance(value_of(site.weight), GroupedFloat8Tensor):
-            why += "; weight already FP8 per expert (FSDP2's all-gather), used as is"
+            why += "; weight already FP8 per expert (FSDP2's all-gather or an FP8 primary weight), used as is"
         record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)
     for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
         _replace(scope, site, lowering, extra)

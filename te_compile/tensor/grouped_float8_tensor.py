@@ -83,10 +83,16 @@ class GroupedFloat8Tensor(QuantizedTensor):
                                    quantizer=self._quantizer, requires_grad=requires_grad)
 
     def quantize_(self, tensor: torch.Tensor) -> "GroupedFloat8Tensor":
-        """Each expert of ``tensor`` quantized into self with its own current-scaling scale."""
+        """Each expert of ``tensor`` quantized into self: with delayed scaling's [E] scales when the
+        quantizer holds them, else with each expert's current-scaling scale (the quantizer's options)."""
         tensor = tensor.detach().expand(self.shape)
         amax = tensor.abs().reshape(tensor.shape[0], -1).amax(dim=1).to(torch.float32)
-        scale = compute_scale(amax, self._fp8_dtype)
+        q = self._quantizer
+        if isinstance(q, GroupedFloat8Quantizer):
+            scale = q.scale.to(amax.device)
+        else:
+            scale = compute_scale(amax, self._fp8_dtype, force_pow_2_scales=getattr(q, "force_pow_2_scales", False),
+                                  amax_epsilon=getattr(q, "amax_epsilon", 0.0))
         self._data.copy_(cast_to_fp8(tensor, self._broadcast(scale), self._fp8_dtype).view(torch.uint8))
         self._scale_inv.copy_(torch.div(torch.ones_like(scale), scale))
         if self._amax is not None:

@@ -41,6 +41,7 @@ from .float8_tensor import (
     Float8TensorStorage,
     _transpose_2d,
 )
+from .grouped_float8_tensor import GroupedFloat8Quantizer, GroupedFloat8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8TensorStorage
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer
 
@@ -231,6 +232,48 @@ class _PerTensor:
             raw.view(-1).copy_(data)
 
 
+class _PerExpert:
+    """GroupedFloat8Tensor weights (MoE experts [E, ...], one per-tensor scale each): current scaling
+    (a Float8CurrentScalingQuantizer, its options applied per expert) or delayed (GroupedFloat8Quantizer:
+    the graph's [E] scales)."""
+
+    @staticmethod
+    def _experts(item: _Item) -> tuple[int, int, torch.Tensor]:
+        """(e0, e1, sub): the experts [e0, e1) the master range touches, as fp32 [e1 - e0, per expert]
+        holding the master values and 0 elsewhere."""
+        per = item.weight.numel() // item.weight.shape[0]
+        e0, e1 = item.start // per, -(-item.stop // per)
+        sub = torch.zeros((e1 - e0) * per, dtype=torch.float32, device=item.master.device)
+        sub[item.start - e0 * per:item.stop - e0 * per] = item.master.to(torch.float32)
+        return e0, e1, sub.view(e1 - e0, per)
+
+    @staticmethod
+    def amaxes(item: _Item) -> list[torch.Tensor]:
+        amax = torch.zeros(item.weight.shape[0], dtype=torch.float32, device=item.weight._scale_inv.device)
+        if item.master is not None:
+            e0, e1, sub = _PerExpert._experts(item)
+            amax[e0:e1] = sub.abs().amax(dim=1).to(amax.device)
+        return [amax]
+
+    @staticmethod
+    def finish(item: _Item, amaxes: list[torch.Tensor], manual: bool) -> None:
+        weight, q = item.weight, item.quantizer
+        [amax] = amaxes
+        if isinstance(q, Float8CurrentScalingQuantizer):
+            scale = compute_scale(amax, q.dtype, force_pow_2_scales=q.force_pow_2_scales, amax_epsilon=q.amax_epsilon)
+        else:   # delayed scaling: the graph's scales for this weight; the new amaxes for its histories
+            scale = q.scale.to(amax.device)
+        if weight._amax is not None:
+            weight._amax.copy_(amax)
+        weight._scale_inv.copy_(torch.div(torch.ones_like(scale), scale))
+        if item.master is None:
+            return
+        e0, e1, sub = _PerExpert._experts(item)
+        data = cast_to_fp8(sub, scale[e0:e1, None], q.dtype).view(torch.uint8)
+        per = sub.shape[1]
+        weight._data.view(-1)[item.start:item.stop].copy_(data.reshape(-1)[item.start - e0 * per:item.stop - e0 * per])
+
+
 class _Float8Block:
     """Float8BlockwiseQTensor weights with 128x128 tiles (rowwise bytes; the columnwise copy is their
     transpose)."""
@@ -296,6 +339,9 @@ class _MXFP8:
 
 
 def _kind(weight, quantizer, i: int):
+    if isinstance(weight, GroupedFloat8Tensor) and isinstance(quantizer, (Float8CurrentScalingQuantizer,
+                                                                          GroupedFloat8Quantizer)):
+        return _PerExpert
     if isinstance(weight, _Logical) and isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8Quantizer)):
         return _PerTensor
     if isinstance(weight, Float8Tensor) and isinstance(quantizer, (Float8CurrentScalingQuantizer, Float8Quantizer)):
@@ -314,7 +360,8 @@ def _kind(weight, quantizer, i: int):
     raise ValueError(
         f"cast_master_weights_to_fp8: model_weights[{i}] is a {type(weight).__name__} with quantizer "
         f"{type(quantizer).__name__}; supported: Float8Tensor (current or delayed scaling), "
-        f"Float8BlockwiseQTensor (128x128 tiles), MXFP8Tensor"
+        f"GroupedFloat8Tensor (MoE experts, current or delayed scaling), Float8BlockwiseQTensor (128x128 "
+        f"tiles), MXFP8Tensor"
     )
 
 
