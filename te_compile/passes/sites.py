@@ -128,14 +128,16 @@ def _expert_index(node: fx.Node) -> Optional[int]:
     name = _method(node) or getattr(node.target, "__name__", None)
     if len(node.args) < 2 or _rank(node.args[0]) != 3:
         return None
+    index = None
     if name == "getitem":
         index = node.args[1]
         if isinstance(index, tuple) and index and all(i == slice(None) for i in index[1:]):
             index = index[0]
-        return index if isinstance(index, int) and not isinstance(index, bool) else None
-    if name == "select" and len(node.args) == 3 and node.args[1] == 0 and isinstance(node.args[2], int):
-        return node.args[2]
-    return None
+    elif name == "select" and len(node.args) == 3 and node.args[1] == 0:
+        index = node.args[2]
+    if not isinstance(index, int) or isinstance(index, bool):
+        return None
+    return index % value_of(node.args[0]).shape[0]   # W[-1] is the last expert
 
 
 def _param_behind(node, params: dict[fx.Node, ParamRef],
