@@ -141,7 +141,7 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--shapes", nargs="+", choices=("mixtral", "small experts"), default=["mixtral", "small experts"])
+    parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES["cpu"]), default=list(SHAPES["cpu"]))
     parser.add_argument("--recipes", nargs="+", choices=TE_RECIPES, default=list(TE_RECIPES[:2]),
                         help="te recipes (default: Float8CurrentScaling DelayedScaling)")
     _common.add_common_args(parser)
@@ -154,12 +154,11 @@ def main() -> None:
           f"{args.iters} after {args.warmup} warm-up", flush=True)
     rows = [r for shape in args.shapes for r in _case(shape, device, dtype, args, args.recipes)]
 
-    def fmt(v, spec):
-        return "n/a" if v is None else format(v, spec)
-    table = [(r["shape"], r["provider"], fmt(r["ms"], ".2f"), fmt(r["vs inductor"], ".2f") + "x" * (r["vs inductor"] is not None),
+    def fmt(v, spec, suffix=""):
+        return "n/a" if v is None else format(v, spec) + suffix
+    table = [(r["shape"], r["provider"], fmt(r["ms"], ".2f"), fmt(r["vs inductor"], ".2f", "x"),
               fmt(r["TFLOP/s"], ".3f"), fmt(r["first s"], ".1f"), fmt(r["saved MiB"], ".2f"),
-              fmt(r["saved vs inductor"], ".2f") + "x" * (r["saved vs inductor"] is not None), r["expert sites"], r["note"])
-             for r in rows]
+              fmt(r["saved vs inductor"], ".2f", "x"), r["expert sites"], r["note"]) for r in rows]
     print()
     print(tabulate(table, headers=["shape", "provider", "median ms", "vs inductor", "TFLOP/s", "first call s",
                                    "saved MiB", "saved vs inductor", "expert sites", "note"], disable_numparse=True))

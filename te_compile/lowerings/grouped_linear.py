@@ -11,8 +11,8 @@ expert's token rows, one per expert weight, one per expert slice of grad_output 
 forward, E5M2 gradients). Current scaling computes them from this call's amaxes; DelayedScaling
 reads them from the weight's state (an amax history per expert and role, te_compile.state) and
 hands this call's amaxes to the graph's one update node (delayed_state.py). An expert without tokens
-has amax 0, so scale 1, and contributes zero rows and a zero weight gradient. The GEMMs (te_compile.gemm.grouped) apply the scales to the fp32
-accumulator, as torch._scaled_grouped_mm does:
+has amax 0, so scale 1, and contributes zero rows and a zero weight gradient. The GEMMs
+(te_compile.gemm.grouped) apply the scales to the fp32 accumulator, as torch._scaled_grouped_mm does:
 - fprop  y  = x @ w[e]        : xq [M, K] E4M3, wq [E, N, K] E4M3 read as [E, K, N]
 - dgrad  dx = g @ w[e].T      : gq [M, N] E5M2, wq read as [E, N, K]
 - wgrad  dw[e] = g_e.T @ x_e  : gq.T [N, M] E5M2, xq [M, K] E4M3, grouped along M

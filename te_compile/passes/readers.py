@@ -1,7 +1,7 @@
-"""Who reads a value: the FP8 linears (and MoE grouped GEMMs) reading it through ops that hand its values on unchanged in
-row layout (dtype casts, dropout that drops nothing, views keeping the last dim, whole-tensor slices),
-and everything else. The fusion passes (norm_fusion.py, activation_fusion.py) fuse a producer with
-the linears found here."""
+"""Who reads a value: the FP8 linears (and MoE grouped GEMMs) reading it through ops that hand its
+values on unchanged in row layout (dtype casts, dropout that drops nothing, views keeping the last
+dim, whole-tensor slices), and everything else. The fusion passes (norm_fusion.py,
+activation_fusion.py) fuse a producer with the linears found here."""
 
 from __future__ import annotations
 

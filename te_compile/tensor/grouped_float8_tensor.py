@@ -222,8 +222,9 @@ class GroupedFsdpMeta(NamedTuple):
 
 def fsdp_grouped_post_all_gather(all_gather_outputs, metadata: GroupedFsdpMeta, param_dtype, *, out=None):
     """FSDP2's post-all-gather of an expert weight's FP8 bytes: a GroupedFloat8Tensor over them (FSDP
-    trims the padding experts with as_strided, which keeps the leading experts' scales). On a re-gather into ``out`` only the scales and amaxes
-    are new; their version counters stay put, as Float8Tensor's do (float8_tensor.py)."""
+    trims the padding experts with as_strided, which keeps the leading experts' scales). On a
+    re-gather into ``out`` only the scales and amaxes are new; their version counters stay put, as
+    Float8Tensor's do (float8_tensor.py)."""
     (data,) = all_gather_outputs
     if out is None:
         # the gathered rows include the padding experts of uneven shards: scale 1, amax 0 for them
