@@ -602,15 +602,24 @@ def test_hf_llama_with_fp8_primary_weights_trains_like_on_the_fly_weights():
     with quantized_model_init(recipe=DelayedScaling(), preserve_high_precision_init_val=True):
         fp8 = transformers.LlamaForCausalLM(config)
     ref = transformers.LlamaForCausalLM(config)
-    quantized = {n: p for n, p in fp8.named_parameters() if isinstance(p, QuantizedTensor)}
+    quantized = _train_hf_twins(ref, fp8, "DelayedScaling", vocab=256, tokens=32)
     assert len(quantized) == 8, sorted(quantized)   # q, k, v, o, gate, up, down, lm_head
+    used = [s.reason for s in te_compile.report().sites if s.op == "linear"]
+    assert sum("used as is" in r for r in used) == len(quantized)
+
+
+def _train_hf_twins(ref, fp8, recipe: str, vocab: int, tokens: int) -> dict:
+    """Train two HF causal LMs 3 SGD steps under te: ``ref`` with high-precision weights quantized on
+    the fly, ``fp8`` with FP8 primary weights through fp32 masters; the losses must be bitwise equal.
+    ``ref`` starts from ``fp8``'s kept initial values. Returns fp8's quantized parameters by name."""
+    quantized = {n: p for n, p in fp8.named_parameters() if isinstance(p, QuantizedTensor)}
     with torch.no_grad():
         for (name, a), b in zip(ref.named_parameters(), fp8.parameters()):
             a.copy_(b.get_high_precision_init_val() if name in quantized else b)
     masters = [p.get_high_precision_init_val().clone() for p in quantized.values()]
-    options = {"recipe": "DelayedScaling", "compiler": "aot_eager"}
+    options = {"recipe": recipe, "compiler": "aot_eager"}
     models = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
-    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, vocab, (2, tokens), generator=torch.Generator().manual_seed(1))
     te_compile.reset()
     for step in range(3):
         losses = []
@@ -621,8 +630,7 @@ def test_hf_llama_with_fp8_primary_weights_trains_like_on_the_fly_weights():
         assert_bitwise_equal(losses[0], losses[1], f"step {step}")
         _sgd(0.1, ref.parameters())
         _sgd(0.1, [p for n, p in fp8.named_parameters() if n not in quantized], list(quantized.values()), masters)
-    used = [s.reason for s in te_compile.report().sites if s.op == "linear"]
-    assert sum("used as is" in r for r in used) == len(quantized)
+    return quantized
 
 
 def test_expert_weights_get_one_scale_per_expert_and_their_master_cast_equals_quantizing_them():
@@ -663,24 +671,7 @@ def test_hf_mixtral_expert_weights_as_fp8_primary_weights_train_like_on_the_fly_
     ref = transformers.MixtralForCausalLM(config)
     experts = fp8.model.layers[0].mlp.experts
     assert isinstance(experts.gate_up_proj, GroupedFloat8Tensor) and experts.gate_up_proj._scale_inv.shape == (4,)
-    quantized = {n: p for n, p in fp8.named_parameters() if isinstance(p, QuantizedTensor)}
-    with torch.no_grad():
-        for (n, a), b in zip(ref.named_parameters(), fp8.parameters()):
-            a.copy_(b.get_high_precision_init_val() if n in quantized else b)
-    masters = [p.get_high_precision_init_val().clone() for p in quantized.values()]
-    options = {"recipe": name, "compiler": "aot_eager"}
-    models = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
-    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
-    te_compile.reset()
-    for step in range(3):
-        losses = []
-        for model in models:
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            losses.append(loss.detach())
-        assert_bitwise_equal(losses[0], losses[1], f"step {step}")
-        _sgd(0.1, ref.parameters())
-        _sgd(0.1, [p for n, p in fp8.named_parameters() if n not in quantized], list(quantized.values()), masters)
+    _train_hf_twins(ref, fp8, name, vocab=64, tokens=16)
     grouped = [s.reason for s in te_compile.report().sites if s.op == "grouped_linear"]
     assert grouped and all("weight already FP8 per expert" in r for r in grouped[len(grouped) // 2:]), grouped
 
