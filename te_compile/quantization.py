@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 import torch
 
+from .kernels.nvfp4_quantize import NVFP4_BLOCK
 from .recipe import GRADIENT_ROLES, ROLES, DelayedScaling, Float8CurrentScaling, Recipe
 from .scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
 from .state import state_for
@@ -37,6 +38,7 @@ __all__ = [
     "quantize_per_tensor",
     "current_scale",
     "quantize_rows_per_group",
+    "quantize_tokens_per_group",
     "quantize_per_expert",
     "weight_ineligibility",
     "weight_is_operand",
@@ -180,6 +182,50 @@ def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: i
     row_scale = torch.cat([scale, scale.new_ones(1)])[groups.clamp(max=num_groups)]
     data = cast_to_fp8(t, row_scale[:, None], recipe.fp8_format.dtype_for(role))
     return data, torch.div(torch.ones_like(scale), scale), amax
+
+
+class _PerGroupNVFP4Quantizer(NVFP4Quantizer):
+    """NVFP4 whose tensor-level amax is one per group of token rows (an MoE layer's experts), each
+    group quantized as if alone: per row tile of the rowwise copy (``tokens`` = rows), or per column
+    of blocks of the columnwise copy (``tokens`` = columns of x2d.T; groups padded to whole 16-row
+    blocks by the caller). groups: int64, the group of each token (``num_groups`` or more: none)."""
+
+    def __init__(self, base: NVFP4Quantizer, groups: torch.Tensor, num_groups: int) -> None:
+        super().__init__(rowwise=base.rowwise_usage, columnwise=base.columnwise_usage, with_rht=base.with_rht,
+                         stochastic_rounding=base.stochastic_rounding, with_2d_quantization=False)
+        self.groups, self.num_groups = groups, num_groups
+
+    def _amax(self, x2d: torch.Tensor) -> torch.Tensor:
+        if not self.columnwise_usage:   # the rowwise copy: x2d [M, K], one amax per row's group
+            per_token = x2d.detach().abs().amax(dim=1)
+            amax = self._group_max(per_token)
+            return torch.cat([amax, amax.new_ones(1)])[self.groups.clamp(max=self.num_groups)][:, None]
+        # the columnwise copy: x2d = the tokens' transpose [K, M'] (after the Hadamard transform)
+        blocks = x2d.detach().abs().reshape(x2d.shape[0], -1, NVFP4_BLOCK).amax(dim=(0, 2))   # [M' / 16]
+        block_groups = self.groups[::NVFP4_BLOCK]
+        amax = self._group_max(blocks, block_groups)
+        return torch.cat([amax, amax.new_ones(1)])[block_groups.clamp(max=self.num_groups)][None, :]
+
+    def _group_max(self, values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+        groups = self.groups if groups is None else groups
+        out = torch.zeros(self.num_groups + 1, dtype=torch.float32, device=values.device)
+        return out.scatter_reduce(0, groups.clamp(max=self.num_groups), values.to(torch.float32), "amax",
+                                  include_self=True)[:self.num_groups]
+
+
+def quantize_tokens_per_group(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, groups: torch.Tensor,
+                              num_groups: int, *, columnwise: bool = False):
+    """``t``'s token rows (an MoE layer's, grouped by expert) quantized as the dense block linear
+    quantizes one group's rows alone, as a storage object: rowwise (blocks along the last dim), or
+    with ``columnwise`` the copy whose blocks run down the tokens (the caller pads each group to whole
+    blocks, ``Recipe.token_block_rows``). Formats whose scales are per block only (MXFP8, Float8
+    block) need no grouping; NVFP4's tensor-level amax becomes one per group."""
+    quantizer = factory(role).copy()
+    quantizer.set_usage(rowwise=not columnwise, columnwise=columnwise)
+    if isinstance(quantizer, NVFP4Quantizer):
+        quantizer = _PerGroupNVFP4Quantizer(quantizer, groups, num_groups)
+    quantizer.internal = True
+    return quantizer.quantize(t)
 
 
 def quantize_per_expert(w: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None

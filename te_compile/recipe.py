@@ -363,6 +363,7 @@ class NVFP4BlockScaling(Recipe):
     # its lowering takes inputs of at least 2 dims ([..., tokens, K]); a 1-D one stays in high precision
     min_input_dims: ClassVar[int] = 2
     token_block_rows: ClassVar[Optional[int]] = 16
+    grouped_gemms: ClassVar[bool] = True
 
     fp4_format: Format = Format.E2M1
     fp8_format: Format = Format.E4M3
@@ -372,10 +373,6 @@ class NVFP4BlockScaling(Recipe):
     disable_stochastic_rounding: bool = False
     # 16x16 blocks for weights, so the transposed weight reuses the same scales
     disable_2d_quantization: bool = False
-
-    def grouped_gemm_problem(self) -> Optional[str]:
-        return ("NVFP4 per expert is not built: its tensor-level scale would need one amax per expert "
-                "(each expert's tokens, weight and gradient rows)")
 
     def __post_init__(self):
         n = self.name

@@ -110,7 +110,7 @@ def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("recipe", ["MXFP8BlockScaling", "Float8BlockScaling"])
+@pytest.mark.parametrize("recipe", ["MXFP8BlockScaling", "Float8BlockScaling", "NVFP4BlockScaling"])
 def test_mixtral_trains_under_the_block_recipes(recipe):
     def build():
         return _mixtral(intermediate=64)   # MXFP8 needs K and N % 32 == 0
@@ -120,5 +120,7 @@ def test_mixtral_trains_under_the_block_recipes(recipe):
     assert len(experts) == 4 and all(s.rewritten and "per expert, emulated GEMMs" in s.reason for s in experts), \
         str(report)
     final_high, final_low = sum(high[-5:]) / 5, sum(low[-5:]) / 5
-    assert abs(final_low - final_high) <= 0.015 * final_high, f"{final_low:.4f} vs {final_high:.4f}"
+    # 4-bit elements move the loss further than FP8 (here 1.7% for NVFP4, 0.1% for the FP8 formats)
+    tolerance = 0.03 if recipe == "NVFP4BlockScaling" else 0.015
+    assert abs(final_low - final_high) <= tolerance * final_high, f"{final_low:.4f} vs {final_high:.4f}"
 

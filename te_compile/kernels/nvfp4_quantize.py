@@ -12,7 +12,12 @@ TransformerEngine's two-level scaling. With the tensor amax A (computed by the c
 
 Blocks are 1x16 along K (``tile_rows=1``: activations, gradients) or 16x16 tiles (``tile_rows=16``:
 weights, so that the transposed copy has the same scales); a ragged last row-tile covers the rows
-that exist. Two codes per byte, element 2j in the low nibble. Conventions where TE leaves a choice:
+that exist.
+
+A is one amax for the whole tensor (fp32 [1]) or, for a tensor holding several groups quantized as
+if alone (an MoE layer's experts: each expert's tokens, weight and gradient rows), one amax per row
+tile ([ceil(M / tile_rows), 1]) or per column of blocks ([1, K // 16]); S then varies alike. The Triton
+kernel takes the single amax; the reference takes all three. Two codes per byte, element 2j in the low nibble. Conventions where TE leaves a choice:
 
 - The sign bit of every code is the sign bit of x: -0.0 and negatives that round to zero encode as
   code 8 (-0).
@@ -71,14 +76,18 @@ def _check_args(x: torch.Tensor, global_amax: torch.Tensor, tile_rows: int,
     check_input(x)
     if x.shape[1] % NVFP4_BLOCK != 0:
         raise ValueError(f"x: K must be a multiple of {NVFP4_BLOCK}, got shape {tuple(x.shape)}")
-    if not isinstance(global_amax, torch.Tensor) or global_amax.numel() != 1:
-        shape = (tuple(global_amax.shape) if isinstance(global_amax, torch.Tensor)
-                 else type(global_amax).__name__)
-        raise ValueError(f"global_amax must be a tensor with one element (fp32 [1]), got {shape}")
-    if global_amax.device != x.device:
-        raise ValueError(f"global_amax is on {global_amax.device}, x on {x.device}")
     if isinstance(tile_rows, bool) or tile_rows not in _TILE_ROWS:
         raise ValueError(f"tile_rows must be one of {_TILE_ROWS}, got {tile_rows!r}")
+    grid = (-(-x.shape[0] // tile_rows), x.shape[1] // NVFP4_BLOCK)
+    allowed = ((1,), (grid[0], 1), (1, grid[1]))
+    if not isinstance(global_amax, torch.Tensor) or not (global_amax.numel() == 1
+                                                         or tuple(global_amax.shape) in allowed[1:]):
+        shape = (tuple(global_amax.shape) if isinstance(global_amax, torch.Tensor)
+                 else type(global_amax).__name__)
+        raise ValueError(f"global_amax must be fp32 [1] (the tensor's amax), {list(allowed[1])} (one per row tile) "
+                         f"or {list(allowed[2])} (one per column of blocks), got {shape}")
+    if global_amax.device != x.device:
+        raise ValueError(f"global_amax is on {global_amax.device}, x on {x.device}")
     if rand is not None:
         if not isinstance(rand, torch.Tensor) or rand.dtype != torch.float32 or rand.shape != x.shape:
             desc = (f"{rand.dtype} {tuple(rand.shape)}" if isinstance(rand, torch.Tensor)
@@ -89,8 +98,10 @@ def _check_args(x: torch.Tensor, global_amax: torch.Tensor, tile_rows: int,
 
 
 def nvfp4_global_scale(global_amax: torch.Tensor) -> torch.Tensor:
-    """S = 448 * 6 / amax (fp32 [1]); amax 0, inf or NaN -> 1; an infinite S -> FLT_MAX."""
-    return scale_for_limit(global_amax.to(torch.float32).reshape(1), E4M3_MAX * E2M1_MAX)
+    """S = 448 * 6 / amax (fp32 [1], or the amaxes' shape when there are several); amax 0, inf or NaN
+    -> 1; an infinite S -> FLT_MAX."""
+    amax = global_amax.to(torch.float32)
+    return scale_for_limit(amax.reshape(1) if amax.numel() == 1 else amax, E4M3_MAX * E2M1_MAX)
 
 
 def _e2m1_magnitude_rne(a: torch.Tensor) -> torch.Tensor:
@@ -174,8 +185,9 @@ def unpack_e2m1(data: torch.Tensor) -> torch.Tensor:
 
 def nvfp4_dequantize(data: torch.Tensor, scale: torch.Tensor, global_amax: torch.Tensor) -> torch.Tensor:
     """(e2m1_value(code) * bs) / S in fp32 (one division). data: uint8 [M, K // 2], scale: uint8
-    [M, K // 16] e4m3 bytes, global_amax: fp32 [1] (the amax the data was quantized with) -> [M, K].
-    On CPU one opaque op, like ``nvfp4_quantize``."""
+    [M, K // 16] e4m3 bytes, global_amax: the amax(es) the data was quantized with, fp32 [1], [M, 1]
+    (per row) or [1, K // 16] (per column of blocks) -> [M, K]. On CPU one opaque op, like
+    ``nvfp4_quantize``."""
     if data.device.type == "cpu" and isinstance(data, torch.Tensor) and isinstance(scale, torch.Tensor):
         _check_dequantize_args(data, scale)
         return _nvfp4_dequantize_cpu(data, scale, global_amax.detach())
@@ -200,6 +212,8 @@ def nvfp4_dequantize_reference(data: torch.Tensor, scale: torch.Tensor, global_a
                          f"got {scale.dtype} {tuple(scale.shape)}")
     bs = scale.view(torch.float8_e4m3fn).to(torch.float32).repeat_interleave(NVFP4_BLOCK, dim=1)
     s = nvfp4_global_scale(global_amax)
+    if s.dim() == 2 and s.shape[1] > 1:   # per column of blocks: one S for 16 columns
+        s = s.repeat_interleave(NVFP4_BLOCK, dim=1)
     return torch.div(values * bs, s)
 
 
@@ -329,6 +343,9 @@ def nvfp4_quantize_triton(x: torch.Tensor, global_amax: torch.Tensor, *, tile_ro
     under ``TRITON_INTERPRET=1`` (the tests run it that way)."""
     require_triton("nvfp4_quantize_triton")
     _check_args(x, global_amax, tile_rows, rand)
+    if global_amax.numel() != 1:
+        raise ValueError(f"nvfp4_quantize_triton takes one tensor amax (fp32 [1]), got {tuple(global_amax.shape)}; "
+                         f"nvfp4_quantize runs the reference for several")
     m, k = x.shape
     amax = global_amax.detach().to(torch.float32).reshape(1).contiguous()
     # without stochastic rounding the kernel never reads rand_ptr; any tensor fills the slot
@@ -363,8 +380,9 @@ def _(x, global_amax, tile_rows, rand):
 
 def nvfp4_quantize(x: torch.Tensor, global_amax: torch.Tensor, *, tile_rows: int,
                    rand: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """NVFP4-quantize x [M, K] with the tensor amax ``global_amax`` ([1]): the Triton kernel for
-    CUDA tensors when Triton is present, the plain-torch reference otherwise. ``rand`` (fp32 [M, K]
+    """NVFP4-quantize x [M, K] with the tensor amax ``global_amax`` ([1], or one per row tile or
+    column of blocks: the module docstring): the Triton kernel for CUDA tensors when Triton is
+    present and the amax is one, the plain-torch reference otherwise. ``rand`` (fp32 [M, K]
     uniform [0, 1)) selects stochastic rounding. Returns (data uint8 [M, K // 2], scale uint8
     [M, K // 16]).
 
@@ -372,7 +390,7 @@ def nvfp4_quantize(x: torch.Tensor, global_amax: torch.Tensor, *, tile_rows: int
     calls it rather than have inductor generate and compile C++ for its ~40 ops at every call site,
     which made most of an NVFP4 model's compile time. Elsewhere torch.compile traces the
     reference and inductor fuses it."""
-    if use_triton(x):
+    if use_triton(x) and global_amax.numel() == 1:
         return nvfp4_quantize_triton(x, global_amax, tile_rows=tile_rows, rand=rand)
     if x.device.type == "cpu":
         _check_args(x, global_amax, tile_rows, rand)   # the op's errors would name the op, not the argument

@@ -30,7 +30,8 @@ from typing import Callable, Optional
 import torch
 
 from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
-from ..quantization import quantize_copies, quantize_per_expert, quantize_rows_per_group, quantizer_factory
+from ..quantization import (quantize_copies, quantize_per_expert, quantize_rows_per_group, quantize_tokens_per_group,
+                            quantizer_factory)
 from ..recipe import Recipe
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
@@ -138,14 +139,16 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
 
 class BlockGroupedLinearFunction(torch.autograd.Function):
-    """The block-scaled formats per expert (MXFP8, Float8 block) through quantizer objects, as the
-    dense linears' quantized_linear.py. x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
+    """The block-scaled formats per expert (MXFP8, Float8 block, NVFP4) through quantizer objects, as
+    the dense linears' quantized_linear.py. x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
 
     x and grad_output are quantized rowwise whole: their blocks run along K / N, inside one row, so
-    inside one expert. Each expert's weight is quantized alone (Float8 block's 128x128 tiles stay in
-    one expert). The weight gradient's operands, x and grad_output columnwise (blocks running down the
-    token dim), are made from each expert's rows padded with zero rows to ``block_rows``
-    (``Recipe.token_block_rows``): no block spans two experts, and zero rows change no block's amax.
+    inside one expert. Each expert's weight is quantized alone (Float8 block's 128x128 tiles, NVFP4's
+    16x16, stay in one expert). The weight gradient's operands, x and grad_output columnwise (blocks
+    running down the token dim), are made from each expert's rows padded with zero rows to
+    ``block_rows`` (``Recipe.token_block_rows``): no block spans two experts, and zero rows change no
+    block's amax. NVFP4's tensor-level amax is one per expert (``quantize_tokens_per_group``), so each
+    expert's tokens are scaled as if alone.
     The GEMMs dequantize both operands to fp32 and multiply expert by expert (grouped_mm_f32): no
     grouped GEMM of these formats is wired natively. The forward saves only quantized copies.
     """
@@ -154,23 +157,24 @@ class BlockGroupedLinearFunction(torch.autograd.Function):
     def forward(ctx, x, w_ekn, offs, factory, block_rows):
         needs_dx, needs_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         experts = w_ekn.shape[0]
-        qx = quantize_copies(factory, "input", x)
+        qx = quantize_tokens_per_group(factory, "input", x, group_index(offs, x.shape[0]), experts)
         qws = [quantize_copies(factory, "weight", w_ekn[e].t(), columnwise=needs_dx) for e in range(experts)]
         w32 = torch.stack([q.dequantize(dtype=torch.float32) for q in qws])            # [E, N, K]
         y = grouped_mm_f32(qx.dequantize(dtype=torch.float32), w32.transpose(1, 2), offs).to(x.dtype)
         qx_col = padding = None
         if needs_dw:
-            padding = pad_groups(offs, x.shape[0], block_rows)
-            dest, _, rows = padding
-            qx_col = quantize_copies(factory, "input", x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x),
-                                     rowwise=False, columnwise=True)
+            dest, padded_offs, rows = pad_groups(offs, x.shape[0], block_rows)
+            rows = -(-rows // block_rows) * block_rows   # the rows past the last group in whole blocks too
+            padding = (dest, padded_offs, rows)
+            qx_col = quantize_tokens_per_group(factory, "input", x.new_zeros(rows, x.shape[1]).index_copy(0, dest, x),
+                                               group_index(padded_offs, rows), experts, columnwise=True)
         if needs_dx:
             for q in qws:
                 q.update_usage(rowwise_usage=False)   # dgrad reads the columnwise copies only
         tensors, ctx.objects = prepare_for_saving(qx_col, *(qws if needs_dx else ()))
         extra = padding[:2] if padding is not None else ()
         ctx.save_for_backward(offs, *extra, *tensors)
-        ctx.factory, ctx.padded_rows = factory, padding[2] if padding is not None else 0
+        ctx.factory, ctx.padded_rows, ctx.experts = factory, padding[2] if padding is not None else 0, experts
         ctx.dtypes = (x.dtype, w_ekn.dtype)
         ctx.mark_non_differentiable(offs)
         return y
@@ -183,13 +187,16 @@ class BlockGroupedLinearFunction(torch.autograd.Function):
         qx_col, *qws = restore_from_saved(ctx.objects, rest[2:] if needs_dw else rest)
         x_dtype, w_dtype = ctx.dtypes
         dx = dw = None
+        experts = ctx.experts
         if needs_dx:
-            qg = quantize_copies(ctx.factory, "grad_output", grad_y)
+            qg = quantize_tokens_per_group(ctx.factory, "grad_output", grad_y, group_index(offs, grad_y.shape[0]),
+                                           experts)
             w32 = torch.stack([q.dequantize(dtype=torch.float32) for q in qws])        # [E, N, K]
             dx = grouped_mm_f32(qg.dequantize(dtype=torch.float32), w32, offs).to(x_dtype)
         if needs_dw:
             g_padded = grad_y.new_zeros(ctx.padded_rows, grad_y.shape[1]).index_copy(0, dest, grad_y)
-            qg_col = quantize_copies(ctx.factory, "grad_output", g_padded, rowwise=False, columnwise=True)
+            qg_col = quantize_tokens_per_group(ctx.factory, "grad_output", g_padded,
+                                               group_index(padded_offs, ctx.padded_rows), experts, columnwise=True)
             dw_enk = grouped_mm_f32(qg_col.dequantize(dtype=torch.float32).t(),
                                     qx_col.dequantize(dtype=torch.float32), padded_offs)   # [E, N, K]
             dw = dw_enk.transpose(1, 2).to(w_dtype)
