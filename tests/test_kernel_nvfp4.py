@@ -396,6 +396,34 @@ def test_factory_roles_and_errors():
     NVFP4QuantizerRef(columnwise=False)(torch.zeros(8, 32))  # rowwise only: any M
 
 
+@pytest.mark.parametrize("tile_rows", [1, NVFP4_BLOCK])
+def test_one_amax_per_row_tile_or_block_column_equals_quantizing_each_alone(tile_rows):
+    """Several tensor amaxes (an MoE layer's experts): one per row tile, or per column of blocks,
+    gives each part the bytes and values it gets quantized alone with its own amax."""
+    g = seed(60)
+    x = torch.randn(32, 48, generator=g) * torch.tensor([1.0, 50.0]).repeat_interleave(16)[:, None]
+    tiles = x.reshape(32 // tile_rows, -1).abs().amax(dim=1, keepdim=True)           # [Mt, 1]
+    data, scale = nvfp4_quantize(x, tiles, tile_rows=tile_rows)
+    per_row = tiles.repeat_interleave(tile_rows, dim=0)                               # [M, 1]
+    values = nvfp4_dequantize(data, scale, per_row)
+    for t in range(32 // tile_rows):
+        rows = slice(t * tile_rows, (t + 1) * tile_rows)
+        d, sc = nvfp4_quantize(x[rows].contiguous(), tiles[t], tile_rows=tile_rows)
+        assert_bitwise_equal(data[rows], d, f"tile {t} bytes")
+        assert_bitwise_equal(scale[rows], sc, f"tile {t} scales")
+        assert_bitwise_equal(values[rows], nvfp4_dequantize(d, sc, tiles[t]), f"tile {t} values")
+    if tile_rows == 1:
+        cols = x.abs().reshape(32, 3, NVFP4_BLOCK).amax(dim=(0, 2))[None, :]            # [1, K // 16]
+        data, scale = nvfp4_quantize(x, cols, tile_rows=1)
+        values = nvfp4_dequantize(data, scale, cols)
+        for c in range(3):
+            part = x[:, c * NVFP4_BLOCK:(c + 1) * NVFP4_BLOCK].contiguous()
+            d, sc = nvfp4_quantize(part, cols[0, c], tile_rows=1)
+            assert_bitwise_equal(data[:, c * 8:(c + 1) * 8], d, f"column block {c} bytes")
+            assert_bitwise_equal(values[:, c * NVFP4_BLOCK:(c + 1) * NVFP4_BLOCK],
+                                 nvfp4_dequantize(d, sc, cols[0, c]), f"column block {c} values")
+
+
 def test_kernel_argument_errors():
     x = torch.zeros(4, 32)
     one = torch.ones(1)
@@ -403,7 +431,8 @@ def test_kernel_argument_errors():
         nvfp4_quantize_reference(torch.zeros(4, 24), one, tile_rows=1, rand=None)
     with pytest.raises(ValueError, match="tile_rows"):
         nvfp4_quantize_reference(x, one, tile_rows=8, rand=None)
-    with pytest.raises(ValueError, match="global_amax"):
+    with pytest.raises(ValueError, match=r"global_amax must be fp32 \[1\] \(the tensor's amax\), \[4, 1\] \(one per "
+                                         r"row tile\) or \[1, 2\] \(one per column of blocks\), got \(2,\)"):
         nvfp4_quantize_reference(x, torch.ones(2), tile_rows=1, rand=None)
     with pytest.raises(ValueError, match="rand"):
         nvfp4_quantize_reference(x, one, tile_rows=1, rand=torch.rand(4, 16))
@@ -412,6 +441,8 @@ def test_kernel_argument_errors():
     if HAS_TRITON:
         with pytest.raises(ValueError, match="multiple of 16"):
             nvfp4_quantize_triton(torch.zeros(4, 24), one, tile_rows=1, rand=None)
+        with pytest.raises(ValueError, match="takes one tensor amax"):
+            nvfp4_quantize_triton(x, torch.ones(4, 1), tile_rows=1, rand=None)
 
 
 def test_custom_storage_usage_saving_and_columnwise_dequantize():
