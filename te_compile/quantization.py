@@ -172,14 +172,16 @@ def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: i
     """Per-tensor FP8 of each group of rows, a group being one expert's tokens: (fp8 data [R, C],
     scale_inv [num_groups], amax [num_groups]).
 
-    t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group are cast with
-    scale 1 and read by no GEMM). scale: None for current scaling, else delayed scaling's [num_groups];
-    amax: the groups' amaxes [num_groups] when the caller has them, else computed here.
+    t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group take no part in
+    the amaxes, are cast with the last group's scale and are read by no GEMM). scale: None for current
+    scaling, else delayed scaling's [num_groups]; amax: the groups' amaxes [num_groups] when the caller
+    has them, else computed here.
     """
     amax = group_amax(t, groups, num_groups) if amax is None else amax
     if scale is None:
         scale = current_scale(amax, role, recipe)
-    row_scale = torch.cat([scale, scale.new_ones(1)])[groups.clamp(max=num_groups)]
+    # the same clamped index as the GEMMs' per-row scales (gemm/grouped.py), so the graph keeps one
+    row_scale = scale[groups.clamp(max=num_groups - 1)]
     data = cast_to_fp8(t, row_scale[:, None], recipe.fp8_format.dtype_for(role))
     return data, torch.div(torch.ones_like(scale), scale), amax
 
