@@ -115,10 +115,35 @@ def test_kernel_twice_uses_its_cached_tables_and_rolls_again():
 
 def test_rejects_mismatched_rows():
     histories, scales, amaxes = _rows(3, 4)
-    with pytest.raises(ValueError, match="one scale, amax, limit and divisor per history"):
+    with pytest.raises(ValueError, match="one scale tensor, limit and divisor per history tensor and one amax per row"):
         delayed_update_reference(histories, scales[:2], amaxes, [448.0] * 3, [1.0] * 3, False)
     with pytest.raises(ValueError, match="one length"):
         delayed_update_reference(histories[:2] + [torch.zeros(5)], scales, amaxes, [448.0] * 3, [1.0] * 3, False)
+    with pytest.raises(ValueError, match=r"one element per history row, got torch.float32 \(1,\) on cpu for a history \(2, 4\)"):
+        delayed_update_reference(histories[:2] + [torch.zeros(2, 4)], scales, torch.ones(4), [448.0] * 3, [1.0] * 3,
+                                 False)
+
+
+@pytest.mark.parametrize("impl", ["reference", "triton"])
+def test_a_tensor_of_rows_updates_each_row_as_its_own_history(impl):
+    """An expert weight's role: histories [E, L] and scales [E], one row per expert, beside 1-D rows;
+    each row gets the bits it gets alone (the kernel reads the rows' addresses from its table)."""
+    if impl == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    update = delayed_update_reference if impl == "reference" else delayed_update_triton
+    gen = seed(70)
+    experts = torch.rand(5, 6, generator=gen) * 10
+    expert_scales = torch.rand(5, generator=gen) + 0.5
+    single, single_scale = torch.rand(6, generator=gen), torch.rand(1, generator=gen) + 0.5
+    amaxes = torch.tensor([3.0, 0.0, float("nan"), 7e4, 1e-40, 2.5])   # 5 expert rows, then the single one
+    want_h = [experts[e].clone() for e in range(5)] + [single.clone()]
+    want_s = [expert_scales[e:e + 1].clone() for e in range(5)] + [single_scale.clone()]
+    delayed_update_reference(want_h, want_s, amaxes, [57344.0] * 5 + [448.0], [2.0] * 5 + [1.0], False)
+    update([experts, single], [expert_scales, single_scale], amaxes, [57344.0, 448.0], [2.0, 1.0], False)
+    for e in range(5):
+        assert_bitwise_equal(experts[e], want_h[e], f"expert {e} history")
+        assert_bitwise_equal(expert_scales[e:e + 1], want_s[e], f"expert {e} scale")
+    assert_bitwise_equal(single, want_h[5], "the 1-D row")
 
 
 def test_op_mutates_in_place_eager_and_compiled():
@@ -170,7 +195,7 @@ def test_self_test_passes_in_the_interpreter_and_fails_closed(monkeypatch, caplo
         delayed_update_reference(histories, scales, *args)
         scales[3].copy_(torch.nextafter(scales[3], torch.full_like(scales[3], float("inf"))))
 
-    for broken, why in ((raises, "RuntimeError: PTX assembly failed"), (off_by_one_ulp, "row 3")):
+    for broken, why in ((raises, "RuntimeError: PTX assembly failed"), (off_by_one_ulp, "state tensor 3")):
         monkeypatch.setattr(module, "_SELF_TESTS", {})
         monkeypatch.setattr(module, "delayed_update_triton", broken)
         caplog.clear()

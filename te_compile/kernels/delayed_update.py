@@ -14,6 +14,9 @@ the bits of ``delayed_update.update_role_state`` row by row (tests/test_kernel_d
 Traced row by row, the update is a few kernels per role: three roles per linear, ~50 tiny kernels for
 a 4-layer GPT, which inductor must generate and compile (compile time) and a GPU must launch.
 
+A state tensor may hold several rows: an MoE expert weight's role keeps histories [E, L] and scales
+[E], one row per expert, with the role's limit and divisor for all of them.
+
 Three functions with one signature (lists of the rows' history and scale tensors, updated in place):
 ``delayed_update_reference`` (plain torch, the rows stacked: a handful of ops whatever their number),
 ``delayed_update_triton`` (one launch of ``_delayed_update_kernel``, one program per row; CPU
@@ -48,47 +51,59 @@ __all__ = ["delayed_update", "delayed_update_reference", "delayed_update_triton"
 _BLOCK_L = 1024
 
 
+def _rows(history: torch.Tensor) -> int:
+    """Rows a history tensor holds: 1 for [L], R for [R, L]."""
+    return history.shape[0] if history.dim() == 2 else 1
+
+
 def _check_args(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
                 limits: Sequence[float], divisors: Sequence[float]) -> None:
     s = len(histories)
-    if not (len(scales) == len(limits) == len(divisors) == s) or amaxes.shape != (s,):
-        raise ValueError(f"one scale, amax, limit and divisor per history: {s} histories, {len(scales)} scales, "
-                         f"amaxes {tuple(amaxes.shape)}, {len(limits)} limits, {len(divisors)} divisors")
+    rows = sum(_rows(h) for h in histories)
+    if not (len(scales) == len(limits) == len(divisors) == s) or amaxes.shape != (rows,):
+        raise ValueError(f"one scale tensor, limit and divisor per history tensor and one amax per row: {s} "
+                         f"histories ({rows} rows), {len(scales)} scales, amaxes {tuple(amaxes.shape)}, "
+                         f"{len(limits)} limits, {len(divisors)} divisors")
     if s == 0:
         return
-    length, device = histories[0].shape, histories[0].device
+    length, device = histories[0].shape[-1], histories[0].device
     for h, sc in zip(histories, scales):
-        if h.dtype != torch.float32 or h.dim() != 1 or h.shape != length or not h.is_contiguous() or h.device != device:
-            raise ValueError(f"histories must be contiguous fp32 [L] tensors of one length on one device, got "
-                             f"{h.dtype} {tuple(h.shape)} on {h.device} beside {tuple(length)} on {device}")
-        if sc.dtype != torch.float32 or sc.numel() != 1 or sc.device != device:
-            raise ValueError(f"scales must be one-element fp32 tensors on {device}, got {sc.dtype} "
-                             f"{tuple(sc.shape)} on {sc.device}")
+        if (h.dtype != torch.float32 or h.dim() not in (1, 2) or h.shape[-1] != length or not h.is_contiguous()
+                or h.device != device):
+            raise ValueError(f"histories must be contiguous fp32 [L] or [R, L] tensors of one length L on one "
+                             f"device, got {h.dtype} {tuple(h.shape)} on {h.device} beside L = {length} on {device}")
+        if sc.dtype != torch.float32 or sc.numel() != _rows(h) or not sc.is_contiguous() or sc.device != device:
+            raise ValueError(f"scales must be contiguous fp32 tensors on {device} with one element per history row, "
+                             f"got {sc.dtype} {tuple(sc.shape)} on {sc.device} for a history {tuple(h.shape)}")
     if amaxes.dtype != torch.float32 or amaxes.device != device:
         raise ValueError(f"amaxes must be fp32 on {device}, got {amaxes.dtype} on {amaxes.device}")
 
 
 def delayed_update_reference(histories: Sequence[torch.Tensor], scales: Sequence[torch.Tensor], amaxes: torch.Tensor,
                              limits: Sequence[float], divisors: Sequence[float], most_recent: bool) -> None:
-    """Update S rows in place: histories S x fp32 [L], scales S x fp32 [1], amaxes fp32 [S] (this step's),
-    limits / divisors S floats (the format's maximum, 2**margin), most_recent: the window's algorithm."""
+    """Update the rows in place: histories S x fp32 [L] or [R, L] (R rows), scales S x fp32 with one
+    element per row, amaxes fp32 [rows] (this step's), limits / divisors S floats (the format's
+    maximum, 2**margin; for all rows of their tensor), most_recent: the window's algorithm."""
     _check_args(histories, scales, amaxes, limits, divisors)
     if not histories:
         return
     device = amaxes.device
+    counts = [_rows(h) for h in histories]
     finite = torch.isfinite(amaxes)
     new_history = torch.cat([torch.where(finite, amaxes, torch.zeros_like(amaxes))[:, None],
-                             torch.stack(list(histories))[:, :-1]], dim=1)       # [S, L]
-    window = new_history[:, 0] if most_recent else new_history.amax(dim=1)      # [S]
+                             torch.cat([h.reshape(-1, h.shape[-1]) for h in histories])[:, :-1]], dim=1)  # [rows, L]
+    window = new_history[:, 0] if most_recent else new_history.amax(dim=1)      # [rows]
+    per_row = lambda values: torch.tensor([v for v, n in zip(values, counts) for _ in range(n)],  # noqa: E731
+                                          dtype=torch.float32, device=device)
     # scaling._scale_from_amax's operations, row-wise: true divisions (torch.div of two tensors)
-    scale = torch.div(torch.tensor(list(limits), dtype=torch.float32, device=device), window)
-    scale = torch.div(scale, torch.tensor(list(divisors), dtype=torch.float32, device=device))
+    scale = torch.div(per_row(limits), window)
+    scale = torch.div(scale, per_row(divisors))
     scale = torch.clamp(scale, max=FLT_MAX)
-    prev = torch.cat([sc.reshape(1) for sc in scales])
+    prev = torch.cat([sc.reshape(-1) for sc in scales])
     scale = torch.where((window <= 0) | ~torch.isfinite(window), prev, scale)
     scale = torch.where(finite, scale, prev)
-    torch._foreach_copy_(list(histories), list(new_history.unbind(0)))
-    torch._foreach_copy_(list(scales), [s.reshape(sc.shape) for s, sc in zip(scale.unbind(0), scales)])
+    torch._foreach_copy_(list(histories), [part.reshape(h.shape) for part, h in zip(new_history.split(counts), histories)])
+    torch._foreach_copy_(list(scales), [part.reshape(sc.shape) for part, sc in zip(scale.split(counts), scales)])
 
 
 if HAS_TRITON:
@@ -147,9 +162,13 @@ _TABLES: dict[tuple, tuple[torch.Tensor, ...]] = {}
 
 
 def _tables(histories, scales, limits, divisors) -> tuple[torch.Tensor, ...]:
+    """The kernel's per-row tables: each row's history and scale address (a tensor of R rows gives R,
+    its rows L and one fp32 apart), limit and divisor."""
     device = histories[0].device
-    key = (str(device), tuple(h.data_ptr() for h in histories), tuple(s.data_ptr() for s in scales),
-           tuple(limits), tuple(divisors))
+    rows = [(h, s, r, lim, div) for h, s, lim, div in zip(histories, scales, limits, divisors) for r in range(_rows(h))]
+    key = (str(device), tuple(h.data_ptr() + 4 * r * h.shape[-1] for h, _, r, _, _ in rows),
+           tuple(s.data_ptr() + 4 * r for _, s, r, _, _ in rows),
+           tuple(lim for *_, lim, _ in rows), tuple(div for *_, div in rows))
     tables = _TABLES.get(key)
     if tables is None:
         if len(_TABLES) > 256:   # state rebuilt many times over (tests, sweeps): drop the old tables
@@ -170,8 +189,8 @@ def delayed_update_triton(histories: Sequence[torch.Tensor], scales: Sequence[to
     if not histories:
         return
     history_ptrs, scale_ptrs, limit_t, divisor_t = _tables(histories, scales, limits, divisors)
-    _delayed_update_kernel[(len(histories),)](
-        history_ptrs, scale_ptrs, amaxes.contiguous(), limit_t, divisor_t, histories[0].shape[0],
+    _delayed_update_kernel[(history_ptrs.shape[0],)](
+        history_ptrs, scale_ptrs, amaxes.contiguous(), limit_t, divisor_t, histories[0].shape[-1],
         MOST_RECENT=bool(most_recent), BLOCK_L=_BLOCK_L, num_warps=4)
 
 
@@ -207,13 +226,18 @@ def _self_test(device: torch.device) -> tuple[bool, str]:
                 amaxes = torch.tensor(edges * 2, dtype=torch.float32)
                 limits = [(448.0, 57344.0)[r % 2] for r in range(rows)]
                 divisors = [(1.0, 4.0)[r % 2] for r in range(rows)]
+                # and three more rows as one [3, L] tensor, an expert weight's role
+                hist.append(torch.rand(3, length, generator=gen))
+                scale.append(torch.rand(3, generator=gen) * 100 + 0.5)
+                amaxes = torch.cat([amaxes, torch.tensor([2.5, float("nan"), 0.0])])
+                limits, divisors, rows = limits + [57344.0], divisors + [2.0], rows + 1
                 got_h, got_s = [h.to(device, copy=True) for h in hist], [t.to(device, copy=True) for t in scale]
                 delayed_update_triton(got_h, got_s, amaxes.to(device), limits, divisors, most_recent)
                 delayed_update_reference(hist, scale, amaxes, limits, divisors, most_recent)
                 for r in range(rows):
                     if not (torch.equal(got_h[r].cpu().view(torch.int32), hist[r].view(torch.int32))
                             and torch.equal(got_s[r].cpu().view(torch.int32), scale[r].view(torch.int32))):
-                        return False, f"row {r} (history length {length}) differs from the reference"
+                        return False, f"state tensor {r} (history length {length}) differs from the reference"
     except Exception as e:   # a compile or launch failure on this device
         return False, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     return True, "bit for bit equal to the reference"

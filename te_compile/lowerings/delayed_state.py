@@ -131,8 +131,9 @@ def _update_states(spec: UpdateSpec, state, weights: list[int], combined: list[t
     """Fold ``combined[i]`` (amaxes [roles]) into the state of ``weights[i]``, in place.
 
     Rows with the same history length and window algorithm go to one call of the multi-tensor op
-    (kernels/delayed_update.py), whatever their number: one node in the graph, one launch on a GPU,
-    instead of a few kernels per role. Recipes with user callables are updated role by role.
+    (kernels/delayed_update.py), whatever their number, an expert weight's roles with their E rows
+    each: one node in the graph, one launch on a GPU, instead of a few kernels per role. Recipes
+    with user callables are updated role by role.
     """
     offsets = spec.state_offsets()
     groups: dict[tuple[int, bool], list] = {}   # (L, most_recent) -> rows (history, scale, amax, limit, divisor)
@@ -140,17 +141,15 @@ def _update_states(spec: UpdateSpec, state, weights: list[int], combined: list[t
         recipe = spec.recipes[j]
         tensors = state[offsets[j]:offsets[j + 1]]
         experts = spec.experts_of(j)
+        rows = max(1, experts)   # an expert weight's role: histories [E, L], scales [E], one row each
         for r, role in enumerate(spec.roles_of(j)):
-            history, scale = tensors[2 * r], tensors[2 * r + 1]
-            if experts:   # histories [E, L], scales [E]: all experts of the role in a few plain ops
-                update_role_state(history, scale, amax[r * experts:(r + 1) * experts], role, recipe)
-                continue
+            history, scale, role_amax = tensors[2 * r], tensors[2 * r + 1], amax[r * rows:(r + 1) * rows]
             if not _batchable(recipe):
-                update_role_state(history, scale, amax[r:r + 1], role, recipe)
+                update_role_state(history, scale, role_amax, role, recipe)
                 continue
             limit = fp8_max(recipe.fp8_format.dtype_for(role))
-            key = (history.shape[0], recipe.amax_compute_algo == "most_recent")
-            groups.setdefault(key, []).append((history, scale, amax[r:r + 1], limit, float(2 ** recipe.margin)))
+            key = (history.shape[-1], recipe.amax_compute_algo == "most_recent")
+            groups.setdefault(key, []).append((history, scale, role_amax, limit, float(2 ** recipe.margin)))
     for (_, most_recent), rows in groups.items():
         histories, scales, amaxes, limits, divisors = zip(*rows)
         delayed_scaling_update_op(list(histories), list(scales), torch.cat(amaxes).to(torch.float32),
