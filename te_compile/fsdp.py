@@ -306,7 +306,7 @@ def _block_shard_problem(weight: torch.Tensor, recipe) -> Optional[str]:
     return None
 
 
-def _linear_weights(model: nn.Module, config: TeConfig):
+def _fp8_gather_weights(model: nn.Module, config: TeConfig):
     """(module, parameter name, fqn, recipe) of the weights gathered in FP8: the nn.Linear modules'
     (keyed by the module's fqn) and the 3-D expert weights of MoE layers (keyed by the parameter's
     fqn); and {fqn: why not} for the others."""
@@ -314,10 +314,14 @@ def _linear_weights(model: nn.Module, config: TeConfig):
     for fqn, module in model.named_modules():
         recipe, _ = config.recipe_for(fqn)
         for name, param in module.named_parameters(recurse=False):
-            if param.dim() == 3:   # an MoE layer's experts [E, ...]
-                key = f"{fqn}.{name}" if fqn else name
-                why = _expert_problem(param, recipe, config)
-                (skipped.__setitem__(key, why) if why else chosen.append((module, name, key, recipe)))
+            if param.dim() != 3:
+                continue
+            key = f"{fqn}.{name}" if fqn else name   # an MoE layer's experts [E, ...]
+            why = _expert_problem(param, recipe, config)
+            if why:
+                skipped[key] = why
+            else:
+                chosen.append((module, name, key, recipe))
         if not isinstance(module, nn.Linear):
             continue
         if not config.rewrite.linear:
@@ -371,7 +375,7 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
     "FP8 all-gather", "layers.0.moe.experts.w1": "FP8 all-gather (one scale per expert)", "lm_head":
     "recipe none: ..."}``.
     """
-    chosen, outcome = _linear_weights(model, config_argument(config, options, "enable_fp8_all_gather"))
+    chosen, outcome = _fp8_gather_weights(model, config_argument(config, options, "enable_fp8_all_gather"))
     book = _ScaleBook()
     for module, name, fqn, recipe in chosen:
         weight = getattr(module, name)

@@ -12,6 +12,7 @@ from .float8_tensor import (
     Float8Tensor,
     Float8TensorStorage,
 )
+from .grouped_float8_tensor import GroupedFloat8Quantizer, GroupedFloat8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8Tensor, MXFP8TensorStorage
 from .nvfp4_tensor import NVFP4Quantizer, NVFP4Tensor, NVFP4TensorStorage
 from .quantized_tensor import (
@@ -31,6 +32,8 @@ __all__ = [
     "Quantizer", "QuantizedTensorStorage", "QuantizedTensor", "prepare_for_saving", "restore_from_saved",
     # per-tensor FP8
     "Float8Quantizer", "Float8CurrentScalingQuantizer", "Float8Tensor", "Float8TensorStorage",
+    # per-tensor FP8 per expert (MoE expert weights)
+    "GroupedFloat8Tensor", "GroupedFloat8Quantizer",
     # block-scaled formats
     "BlockScaledQuantizer", "BlockScaledTensor", "BlockScaledTensorStorage",
     "MXFP8Quantizer", "MXFP8Tensor", "MXFP8TensorStorage",
