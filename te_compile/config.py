@@ -125,7 +125,9 @@ class DistributedConfig:
     # The group the DelayedScaling amaxes of MoE expert weights are all-reduced over: "same" (amax_group's:
     # right when every rank holds every expert, as under DDP or FSDP2), "none" (expert parallelism:
     # each rank's experts are its own, and no other rank sees their tokens), "world", or from Python
-    # the ProcessGroup / 1-D DeviceMesh of the ranks holding the same experts.
+    # the ProcessGroup / 1-D DeviceMesh of the ranks holding the same experts. Under "same", expert
+    # weights that are DTensors read through to_local() (torchtitan's expert parallelism) use the
+    # mesh dims that do not shard the experts instead.
     expert_amax_group: Any = "same"
 
     def __post_init__(self):

@@ -25,7 +25,8 @@ import torch
 from .recipe import GEMM_ROLES
 
 __all__ = ["AmaxGroup", "NO_GROUPS", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
-           "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value"]
+           "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value",
+           "expert_shard_groups", "describe_placements"]
 
 
 def is_dtensor(t) -> bool:
@@ -80,6 +81,24 @@ def mesh_dim_group(mesh, dim: int) -> Optional[AmaxGroup]:
     names = mesh.mesh_dim_names
     label = names[dim] if names else (f"mesh dim {dim}" if mesh.ndim > 1 else "mesh")
     return _group(mesh.get_group(dim), label)
+
+
+def expert_shard_groups(weight) -> tuple[AmaxGroup, ...]:
+    """For a 3-D expert weight [E, ...] sharded as a DTensor, the mesh dims whose ranks hold the same
+    experts: every dim that does not shard dim 0 (Replicate, or tensor parallelism's Shard(1) / (2)).
+    A 1-D expert-parallel mesh (Shard(0)) gives none: each rank's experts are its own."""
+    from torch.distributed.tensor import Shard
+
+    groups = [mesh_dim_group(weight.device_mesh, d) for d, p in enumerate(weight.placements)
+              if not (isinstance(p, Shard) and p.dim == 0)]
+    return minimal_groups(groups)
+
+
+def describe_placements(t) -> str:
+    """"Shard(dim=0) on ep (2 ranks)" for a DTensor, per mesh dim."""
+    mesh = t.device_mesh
+    names = mesh.mesh_dim_names or [f"mesh dim {d}" for d in range(mesh.ndim)]
+    return ", ".join(f"{p!r} on {n} ({mesh.size(d)} ranks)" for d, (p, n) in enumerate(zip(t.placements, names)))
 
 
 def resolve_amax_group(spec: Any) -> Optional[AmaxGroup]:

@@ -114,7 +114,9 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
 
 
 def _experts(weight: torch.Tensor) -> int:
-    """E for a 3-D expert weight [E, ...] (one state per expert), 0 for a linear's 2-D weight."""
+    """E for a 3-D expert weight [E, ...] (one state per expert), 0 for a linear's 2-D weight. A
+    DTensor's are this rank's experts: the graph reads its local shard (``to_local()``)."""
+    weight = getattr(weight, "_local_tensor", weight)
     return weight.shape[0] if weight.dim() == 3 else 0
 
 
@@ -377,7 +379,9 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
                 continue
             params[pid] = unsharded[pid]
         history_len = _history_len(existing, given)
-        problems += _shape_problems(given, history_len, _experts(params[pid]))
+        # an FSDP2 shard's state is its unsharded weight's: every expert
+        experts = existing.experts if existing is not None else _experts(params[pid])
+        problems += _shape_problems(given, history_len, experts)
         where = f"load_recipe_state_dict({names[pid]!r})"
         loads.append((existing, lambda p=params[pid], n=history_len, w=where: state_for(p, n, w), given))
     for site, given in sites.items():

@@ -233,6 +233,116 @@ def _ep_worker(rank: int, options) -> dict:
     return {"losses": losses, "report": report, "state": te_compile.recipe_state_dict(model)}
 
 
+# ---- expert parallelism with DTensor weights (torchtitan's ExpertParallel) -----------------------------
+
+
+class TitanExperts(nn.Module):
+    """torchtitan's GroupedExperts as its users run it under expert parallelism: the weights are
+    DTensors sharded on the expert dim, and forward reads this rank's experts with ``to_local()``
+    (grouped GEMMs, or with ``loop`` one matmul per local expert on its rows)."""
+
+    def __init__(self, reference: Experts, loop: bool = False) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = (nn.Parameter(getattr(reference, n).detach().clone()) for n in ("w1", "w2", "w3"))
+        self.loop = loop
+
+    def forward(self, x, counts):   # x [M, D] sorted by local expert, counts [E_local]
+        from torch.distributed.tensor import DTensor
+
+        w1, w2, w3 = ((w.to_local() if isinstance(w, DTensor) else w) for w in (self.w1, self.w2, self.w3))
+        if self.loop:   # each local expert's rows; the sizes are read on the host
+            outs = []
+            for e, rows in enumerate(torch.split(x, counts.tolist())):
+                h = F.silu(rows @ w1[e].transpose(-2, -1)) * (rows @ w3[e].transpose(-2, -1))
+                outs.append(h @ w2[e].transpose(-2, -1))
+            return torch.cat(outs)
+        offs = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        xb = x.bfloat16()
+        h = F.silu(torch._grouped_mm(xb, w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xb, w3.bfloat16().transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, w2.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
+class TokenExchange:
+    """torchtitan's ExpertParallel style, in short: ``distribute_module`` shards every expert weight
+    Shard(0) on the mesh, sends each token to its expert's rank before forward (input_fn) and back
+    after it (output_fn)."""
+
+    def apply(self, module: nn.Module, mesh) -> nn.Module:
+        from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
+
+        def partition(name, mod, mesh):
+            for param_name, param in list(mod.named_parameters(recurse=False)):
+                mod.register_parameter(param_name, nn.Parameter(distribute_tensor(param, mesh, [Shard(0)])))
+
+        return distribute_module(module, mesh, partition, input_fn=self._dispatch, output_fn=self._combine)
+
+    def _dispatch(self, mod, inputs, mesh):
+        x, counts = inputs   # sorted by global expert, counts [E]
+        local = counts.shape[0] // WORLD
+        received = torch.empty_like(counts)
+        dist.all_to_all_single(received, counts)
+        by_source = received.view(WORLD, local)
+        self.send, self.recv = counts.view(WORLD, local).sum(1).tolist(), by_source.sum(1).tolist()
+        tokens = _all_to_all(x, self.send, self.recv)
+        # arrived grouped by source rank: regroup by local expert (each expert's rows by source)
+        expert_of_row = torch.arange(local).repeat(WORLD).repeat_interleave(by_source.reshape(-1))
+        self.regroup = torch.argsort(expert_of_row, stable=True)
+        return tokens[self.regroup], by_source.sum(0).to(torch.int32)
+
+    def _combine(self, mod, y, mesh):
+        return _all_to_all(y[torch.argsort(self.regroup)], self.recv, self.send)
+
+
+class TitanEPNet(nn.Module):
+    """MoENet whose experts run under TokenExchange: the parent routes, the style exchanges."""
+
+    def __init__(self, reference: MoENet, mesh, loop: bool = False) -> None:
+        super().__init__()
+        self.router, self.head = reference.router, reference.head
+        self.moe = TokenExchange().apply(TitanExperts(reference.moe, loop), mesh)
+
+    def forward(self, x):
+        chosen, weight, counts = _route(self.router, x, EP_EXPERTS)
+        order = torch.argsort(chosen, stable=True)
+        out = torch.zeros_like(x).index_add(0, order, self.moe(x[order], counts) * weight[order, None])
+        return self.head(x + out).square().mean()
+
+
+def _titan_ep_worker(rank: int, options, loop: bool = False) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    te_compile.reset()
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("ep",))
+    model = TitanEPNet(MoENet(EP_EXPERTS, EP_HEAD), mesh, loop)
+    # the experts' forward: the token exchange's hooks read sizes on the host
+    model.moe.forward = torch.compile(model.moe.forward, backend="te", options=options)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
+    losses = []
+    # the loop's sizes (counts.tolist()) traced, not a graph break that would cut w[e] from its parameter
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for step in range(STEPS):
+            loss = model(_batch(rank, step)) / WORLD
+            loss.backward()
+            for p in replicated:
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item())
+    report = [(s.fqn, s.op, s.rewritten, s.reason, s.collectives) for s in te_compile.report().sites]
+    state = te_compile.recipe_state_dict(model)
+    # a fresh model loads the rank's rows before it runs (its experts' state is made on load)
+    fresh = TitanEPNet(MoENet(EP_EXPERTS, EP_HEAD), mesh, loop)
+    te_compile.load_recipe_state_dict(fresh, state)
+    return {"losses": losses, "report": report, "state": state, "reloaded": te_compile.recipe_state_dict(fresh),
+            "grad_placements": [repr(p.placements) for p in model.moe.parameters()]}
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("moe")
@@ -241,7 +351,8 @@ def results(tmp_path_factory):
 
 def _worker(rank: int) -> dict:
     return {"fsdp": _fsdp_worker(rank), "ep": _ep_worker(rank, CURRENT), "ep_delayed": _ep_worker(rank, EP_DELAYED),
-            "ep_delayed_shared": _ep_worker(rank, DELAYED)}
+            "ep_delayed_shared": _ep_worker(rank, DELAYED), "titan": _titan_ep_worker(rank, CURRENT),
+            "titan_delayed": _titan_ep_worker(rank, DELAYED), "titan_loop": _titan_ep_worker(rank, CURRENT, loop=True)}
 
 
 def test_expert_parallel_rewrites_each_ranks_experts_and_matches_one_process(results):
@@ -253,18 +364,26 @@ def test_expert_parallel_rewrites_each_ranks_experts_and_matches_one_process(res
             assert got == pytest.approx(want, rel=1e-5), f"rank {rank} step {step}: {got} vs {want}"
 
 
-def test_expert_parallel_delayed_scaling_state_is_each_ranks_experts_rows(results):
+def _assert_each_ranks_expert_rows(results, run: str) -> dict:
+    """Each rank's DelayedScaling state equals one process's rows for that rank's experts; returns
+    the one process's state."""
     reference_losses, reference = _ep_reference(DELAYED)   # one process: nothing to reduce
     local = EP_EXPERTS // WORLD
     for rank, result in enumerate(results):
-        state = result["ep_delayed"]["state"]
+        state = result[run]["state"]
         assert state["moe.w1.input.amax_history"].shape == (local, 4)
         for key, value in state.items():
             want = reference[key]
             if key.startswith("moe.") and want.dim() and want.shape[0] == EP_EXPERTS:
                 want = want[rank * local:(rank + 1) * local]
             torch.testing.assert_close(value, want, rtol=1e-5, atol=0, msg=lambda m: f"rank {rank}: {key}: {m}")
-        assert result["ep_delayed"]["losses"] == pytest.approx(reference_losses, rel=1e-5)
+        assert result[run]["losses"] == pytest.approx(reference_losses, rel=1e-5)
+    return reference
+
+
+def test_expert_parallel_delayed_scaling_state_is_each_ranks_experts_rows(results):
+    reference = _assert_each_ranks_expert_rows(results, "ep_delayed")
+    local = EP_EXPERTS // WORLD
     # left at "same" (the world), each expert's history takes the other rank's experts' amaxes too
     shared = results[0]["ep_delayed_shared"]["state"]["moe.w1.input.amax_history"]
     assert not torch.equal(shared, reference["moe.w1.input.amax_history"][:local])
@@ -306,3 +425,56 @@ def test_fsdp_expert_fp8_gather_under_delayed_scaling_equals_the_high_precision_
         assert fp8["state"]["moe.w1.weight.amax_history"].shape == (3, 4)
     assert all(torch.equal(results[0]["fsdp"]["delayed"][0]["state"][k], v)
                for k, v in results[1]["fsdp"]["delayed"][0]["state"].items()), "ranks disagree on the state"
+
+
+def test_dtensor_expert_parallel_rewrites_each_ranks_experts_and_matches_one_process(results):
+    reference, _ = _ep_reference(CURRENT)
+    for rank, result in enumerate(results):
+        rows = [r for r in result["titan"]["report"] if r[1] == "grouped_linear"]
+        # every graph compiled (the first step's shapes, then dynamic ones) rewrites all three
+        assert rows and len(rows) % 3 == 0 and all(r[2] for r in rows), result["titan"]["report"]
+        assert all("this rank's shard of the DTensor moe.w" in r[3] and "Shard(dim=0) on ep (2 ranks)" in r[3]
+                   for r in rows), rows
+        assert result["titan"]["grad_placements"] == ["(Shard(dim=0),)"] * 3
+        assert result["titan"]["losses"] == pytest.approx(reference, rel=1e-5), f"rank {rank}"
+
+
+def test_dtensor_expert_parallel_delayed_scaling_keeps_local_experts_apart_unconfigured(results):
+    # the DTensor's placements say the ranks hold different experts: no expert_amax_group needed
+    _assert_each_ranks_expert_rows(results, "titan_delayed")
+    rows = [r for r in results[0]["titan_delayed"]["report"] if r[1] == "grouped_linear"]
+    assert rows and all(r[2] and r[4] == "" for r in rows), rows   # no collective for the experts
+    for result in results:   # each rank saves and loads its own experts' rows
+        saved, reloaded = result["titan_delayed"]["state"], result["titan_delayed"]["reloaded"]
+        assert saved.keys() == reloaded.keys() and all(torch.equal(v, reloaded[k]) for k, v in saved.items())
+
+
+def _loop_reference() -> list[float]:
+    """One process: every expert in the per-expert loop, each step on the whole global batch."""
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = MoENet(EP_EXPERTS, EP_HEAD)
+    model.moe = TitanExperts(model.moe, loop=True)
+    compiled = torch.compile(model, backend="te", options=CURRENT)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    with torch._dynamo.config.patch(capture_scalar_outputs=True):
+        for step in range(STEPS):
+            loss = compiled(torch.cat([_batch(rank, step) for rank in range(WORLD)]))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+    return losses
+
+
+def test_dtensor_expert_parallel_per_expert_loop_is_rewritten_and_matches_one_process(results):
+    reference = _loop_reference()
+    for rank, result in enumerate(results):
+        rows = [r for r in result["titan_loop"]["report"] if r[1] == "grouped_linear"]
+        assert all(r[2] and "a per-expert loop" in r[3] and "DTensor" in r[3] for r in rows), rows
+        # 2 local experts x 3 weights
+        assert {r[3].split(" (a per-expert loop")[0] for r in rows} == {
+            f"matmul on expert {e} of moe.{w}" for e in range(EP_EXPERTS // WORLD) for w in ("w1", "w2", "w3")}
+        assert result["titan_loop"]["losses"] == pytest.approx(reference, rel=1e-5), f"rank {rank}"

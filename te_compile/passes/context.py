@@ -8,11 +8,11 @@ from typing import Callable, Optional
 import torch.fx as fx
 
 from ..config import TeConfig
-from ..distributed import AmaxGroup
+from ..distributed import AmaxGroup, describe_placements, expert_shard_groups, is_dtensor
 from ..recipe import Recipe
 from ..report import SiteRecord
 from .delayed_state import DelayedState
-from .graphs import GraphScope
+from .graphs import GraphScope, ParamRef
 
 __all__ = ["PassContext"]
 
@@ -41,6 +41,22 @@ class PassContext:
                                                 reason=reason + scope.where, shapes=shapes, graph=self.graph_id,
                                                 collectives=collectives))
         return record
+
+    def expert_groups(self, param: Optional[ParamRef]) -> tuple[AmaxGroup, ...]:
+        """The groups DelayedScaling all-reduces an expert weight's amaxes over: the ranks that hold
+        the same experts. A DTensor weight (read through ``to_local()``) names them by its placements
+        unless ``[distributed] expert_amax_group`` names a group; a plain one takes that setting."""
+        setting = self.config.distributed.expert_amax_group
+        if param is not None and is_dtensor(param.value) and isinstance(setting, str) and setting == "same":
+            return expert_shard_groups(param.value)
+        return (self.expert_amax_group,) if self.expert_amax_group is not None else ()
+
+    @staticmethod
+    def local_shard_note(param: Optional[ParamRef]) -> str:
+        """For the report, when a site reads a DTensor parameter's ``to_local()``: whose shard; else ""."""
+        if param is None or not is_dtensor(param.value):
+            return ""
+        return f"; weight: this rank's shard of the DTensor {param.name} ({describe_placements(param.value)})"
 
     @staticmethod
     def left_alone(scope: GraphScope, recipe: Optional[Recipe], why: str) -> Optional[str]:

@@ -61,8 +61,9 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
         if not divisible(dim, align):
             return f"{name}={dim} is not divisible by {align} ({recipe.gemm_alignment_reason})"
-    if site.expert is not None and is_dtensor(site.param.value):
-        return f"one expert's matrix of the sharded (DTensor) parameter {site.param.name} is not lowered yet"
+    if site.expert is not None and is_dtensor(value_of(site.weight)):
+        return (f"one expert's matrix of the sharded (DTensor) parameter {site.param.name} is not lowered yet "
+                f"(index its to_local() shard, as torchtitan's experts do)")
     if recipe.delayed() and site.param is None:
         return ("DelayedScaling keeps its state per weight parameter; this weight is computed "
                 "in the graph")

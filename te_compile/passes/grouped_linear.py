@@ -93,8 +93,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             continue
         extra, collectives = [], ""
         if recipe.delayed():
-            group = ctx.expert_amax_group   # the ranks holding the same experts ([distributed] expert_amax_group)
-            groups = (group,) if recipe.reduce_amax and group is not None else ()
+            groups = ctx.expert_groups(site.param) if recipe.reduce_amax else ()
             # a carrier only where autograd will run this call's backward
             backward = bool(getattr(site.node.meta.get("example_value"), "requires_grad", False))
             extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, backward, groups)
@@ -113,6 +112,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         else:
             kind = (f"{recipe.format_label} per expert, emulated GEMMs (dequantize-then-matmul, expert by "
                     f"expert; no block spans two experts)")
+        why += ctx.local_shard_note(site.param)
         if isinstance(value_of(site.weight), GroupedFloat8Tensor):
             why += "; weight already FP8 per expert (FSDP2's all-gather or an FP8 primary weight), used as is"
         record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)

@@ -7,7 +7,8 @@ import operator
 
 import torch.fx as fx
 
-from ..distributed import NO_GROUPS, describe_groups, describe_role_groups, merge_role_groups, minimal_groups
+from ..distributed import (NO_GROUPS, describe_groups, describe_role_groups, local_value, merge_role_groups,
+                           minimal_groups)
 from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
@@ -44,8 +45,11 @@ def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple,
     roles = merge_role_groups(plan.groups if plan else NO_GROUPS, plain)
     if recipe.delayed():
         # one expert's matrix in a per-expert loop: the ranks holding the same experts
-        group = ctx.amax_group if site.expert is None else ctx.expert_amax_group
-        wanted = [group] if recipe.reduce_amax and group is not None else []
+        if site.expert is None:
+            wanted = [ctx.amax_group] if ctx.amax_group is not None else []
+        else:
+            wanted = list(ctx.expert_groups(site.param))
+        wanted = wanted if recipe.reduce_amax else []
         groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
         text = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step" if groups else ""
         return plain, groups, text
@@ -71,7 +75,7 @@ def _expert_inputs(site: LinearSite, extra: list) -> list:
     view of its carrier column (autograd writes the site's amaxes there, zeros elsewhere, and the
     update takes the max over the weight's sites)."""
     carrier, *scales = extra
-    e, experts = site.expert, site.param.value.shape[0]
+    e, experts = site.expert, local_value(site.param.value).shape[0]   # a DTensor's: this rank's experts
     if carrier is not None:
         grid = insert_call(site.node, "view", (carrier, len(GEMM_ROLES), experts), method=True)
         carrier = insert_call(site.node, operator.getitem, (grid, (slice(None), e)))
@@ -118,6 +122,7 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
                 continue
             if site.expert is not None:
                 extra = _expert_inputs(site, extra)
+        why += ctx.local_shard_note(site.param)
         weight_value = site.weight.meta.get("example_value")
         if isinstance(weight_value, QuantizedTensor):
             # FSDP2's FP8 all-gather (te_compile.fsdp) or an FP8 primary weight (primary_weights.py)

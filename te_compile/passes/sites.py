@@ -21,6 +21,9 @@ every expert's equal share of a batch [E, T, K] (Llama 4's experts):
     torch.ops.transformers.grouped_mm_fallback(x, W, offs)  (transformers' op for fp32 / fp16 weights)
     torch.bmm(x.view(E, T, K), W)                           (no offs: T rows per expert)
 
+W may be read through ``W.to_local()``: a DTensor parameter's shard (torchtitan's experts under
+expert parallelism hold ``Shard(0)`` weights and compute on this rank's experts).
+
 A matmul-like call with a parameter operand in any other form (einsum, a batched parameter, two
 parameters, addmm with alpha/beta) is returned too, with ``unsupported`` saying why, so the report
 lists it: a layer the report does not show does not exist.
@@ -70,9 +73,11 @@ _OTHER_MATMULS = {torch.einsum: "einsum", torch.functional.einsum: "einsum", tor
 _MATMUL_WORDS = frozenset({"mm", "bmm", "matmul", "einsum", "linear", "gemm", "addmm", "baddbmm"})
 
 # Single-input ops that keep a weight the same weight: transposes (the call then reads it the other
-# way round) and dtype casts (the call reads the cast copy; gradients flow back through it).
+# way round), dtype casts (the call reads the cast copy; gradients flow back through it) and a DTensor
+# parameter's to_local() (the call reads this rank's shard: torchtitan's experts under expert parallelism).
 _TRANSPOSE_METHODS = ("t", "transpose", "permute", "swapaxes", "swapdims")
-_CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "detach")
+_CAST_METHODS = ("to", "type", "type_as", "float", "half", "bfloat16", "double", "contiguous", "detach",
+                 "to_local")
 # Views that broadcast a 2-D weight over a batch dim for bmm / baddbmm.
 _BROADCAST_METHODS = ("expand", "expand_as", "broadcast_to", "unsqueeze")
 # Ops that take part of a parameter (an expert's slice of a 3-D weight) or reshape it: what comes
