@@ -12,12 +12,14 @@ sum back to the tokens. Shapes: Mixtral-like (E = 8, top-2, hidden 4096, ffn 143
 
 Providers: ``inductor`` (torch.compile in high precision: the experts' grouped GEMMs in bf16 as the
 model casts them, the rest bf16 on CUDA and fp32 on CPU); ``te <Recipe>`` (torch.compile with
-backend="te"); ``torchao MoE float8 rowwise`` (``torchao.quantization.quantize_`` with
+backend="te"), each per-tensor recipe also with ``fp8_activation_input`` (the SwiGLU's gate and up
+saved for backward in FP8); ``torchao MoE float8 rowwise`` (``torchao.quantization.quantize_`` with
 ``Float8TrainingOpConfig`` on the experts, then inductor) when torchao imports; its FP8 grouped GEMM
 (``torch._scaled_grouped_mm`` and Triton kernels) needs an sm90 GPU: off CUDA the row says how it failed.
 
 Columns: the median step time and its ratio to inductor's; the first call (compile included); the
-bytes one step saves for backward (distinct storages, parameters excluded: te keeps FP8 copies of the
+bytes one step saves for backward (distinct storages; parameters, buffers and delayed scaling's
+state excluded, as they live across steps anyway: te keeps FP8 copies of the
 expert GEMMs' operands, inductor high-precision activations) and their ratio; the expert GEMM sites te
 rewrote. The goals (GPU: expert GEMMs fwd+bwd >= 1.3x bf16 at the Mixtral shape, never slower than
 bf16 at the small-expert shape; CPU: saved bytes <= 0.6x high precision) are printed beside the
@@ -49,6 +51,7 @@ SHAPES = {
 }
 GOALS = {"mixtral": 1.3, "small experts": 1.0, "saved_cpu": 0.6}
 TE_RECIPES = ("Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "MXFP8BlockScaling")
+PER_TENSOR = ("Float8CurrentScaling", "DelayedScaling")
 
 
 class MoELayer(nn.Module):
@@ -87,8 +90,12 @@ def _providers(device: torch.device, recipes) -> list[tuple[str, Callable, str]]
     out = [("inductor", lambda m: torch.compile(m, dynamic=False), "torch.compile, experts in bf16")]
     for recipe in recipes:
         options = dict(_common.TE_RECIPES.get(recipe, {}), recipe=recipe)
-        out.append((f"te {recipe}", lambda m, o=options: torch.compile(m, backend=te_compile.backend(**o),
-                                                                       dynamic=False), ""))
+        variants = [(f"te {recipe}", options, "")]
+        if recipe in PER_TENSOR:   # the SwiGLU's inputs saved in FP8 (DeepSeek-V3's trade)
+            variants.append((f"te {recipe} +fp8 act input", dict(options, fp8_activation_input=True),
+                             "fp8_activation_input = true"))
+        for name, o, note in variants:
+            out.append((name, lambda m, o=o: torch.compile(m, backend=te_compile.backend(**o), dynamic=False), note))
     if _common.torchao_available():
         out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(_torchao_moe(m), dynamic=False),
                     "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs)"))

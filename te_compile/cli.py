@@ -157,13 +157,18 @@ class _Progress:
 
 
 def _saved_for_backward_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
-    """Bytes of the distinct storages one training step saves for backward, parameters excluded.
+    """Bytes of the distinct storages one training step saves for backward, excluding what lives
+    across steps anyway: parameters, buffers and delayed scaling's state (its amax histories are
+    inputs of the backward's update).
 
     Compiled graphs save their tensors through the ordinary autograd mechanism (the compiled
     autograd.Function's ctx), so ``saved_tensors_hooks`` sees exactly what the compiled forward
     keeps alive for the backward: FP8 copies for the te run, high-precision activations otherwise.
     """
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    from .state import state_tensors
+
+    persistent = [*model.parameters(), *model.buffers(), *state_tensors(model)]
+    params = {t.untyped_storage().data_ptr() for t in persistent}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:

@@ -241,6 +241,7 @@ class DelayedScaling(Recipe):
     scaling_factor_compute_algo: Optional[Callable] = None
     # all-reduce (MAX) the amaxes over the data-parallel group once per step
     reduce_amax: bool = True
+    fp8_activation_input: bool = field(default=False, kw_only=True)   # see Float8CurrentScaling
 
     def __post_init__(self):
         n = self.name
@@ -258,7 +259,7 @@ class DelayedScaling(Recipe):
                 f"{n}.scaling_factor_compute_algo must be None or a callable, "
                 f"got {self.scaling_factor_compute_algo!r}"
             )
-        _check_flags(n, self, "reduce_amax")
+        _check_flags(n, self, "reduce_amax", "fp8_activation_input")
         super().__post_init__()
 
 
@@ -275,10 +276,15 @@ class Float8CurrentScaling(Recipe):
     use_power_2_scales: bool = False
     # amax is clamped up to this, so near-zero tensors do not get huge scales
     amax_epsilon: float = 0.0
+    # A fused activation's input (SwiGLU's gate and up, GELU's h) saved for backward in FP8 with a
+    # scale from its own amax, per expert between MoE GEMMs, instead of in high precision: half the
+    # bytes of bf16, its backward computed from the FP8-rounded values (DeepSeek-V3's trade for the
+    # SwiGLU inputs of its experts). Only the per-tensor recipes have it: activations fuse under them.
+    fp8_activation_input: bool = field(default=False, kw_only=True)
 
     def __post_init__(self):
         _check_format(self.name, "fp8_format", self.fp8_format, (Format.E4M3, Format.HYBRID))
-        _check_flags(self.name, self, "use_power_2_scales")
+        _check_flags(self.name, self, "use_power_2_scales", "fp8_activation_input")
         _check_epsilon(self.name, self.amax_epsilon)
         super().__post_init__()
 

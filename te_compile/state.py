@@ -22,7 +22,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .recipe import ATTENTION_ROLES, GEMM_ROLES
 
 __all__ = ["RoleState", "LinearState", "AttentionState", "IncompatibleKeys", "recipe_state_dict",
-           "load_recipe_state_dict", "amax_anchor", "attention_key_param"]
+           "load_recipe_state_dict", "state_tensors", "amax_anchor", "attention_key_param"]
 
 FIELDS = ("scale", "amax_history")
 # the last component of an SDPA site's name in the state dict ("blocks.0.attn.sdpa")
@@ -283,6 +283,13 @@ def recipe_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
             for field_name in FIELDS:
                 out[_key(name, role, field_name)] = getattr(rs, field_name).detach().clone()
     return out
+
+
+def state_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The live tensors (not copies) of every delayed-scaling state ``model`` has: persistent like its
+    buffers, so a count of what a step saves for backward leaves them out."""
+    states = [*_state_names(model).values(), *_attention_names(model).values()]
+    return [t for state in states for t in state.tensors()]
 
 
 class IncompatibleKeys(NamedTuple):

@@ -473,6 +473,30 @@ def test_delayed_expert_state_resumes_bitwise_from_a_saved_state_dict(tmp_path):
         assert_bitwise_equal(b[key], a[key], key)
 
 
+def test_delayed_scaling_quantizes_tokens_two_gemms_share_with_the_first_ones_input_scale():
+    gen = seed(12)
+    x, counts = torch.randn(sum(COUNTS), K, generator=gen), torch.tensor(COUNTS)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = GroupedExperts()
+    _delayed_steps(model, x, counts, 1)
+    [w1_row, w3_row] = [s for s in te_compile.report().sites if s.op == "grouped_linear"][:2]
+    assert "tokens quantized" not in w1_row.reason
+    assert w3_row.reason.endswith("; tokens quantized with w1's input scale (the same tokens))"), w3_row.reason
+    state = te_compile.recipe_state_dict(model)
+    # w3's own input scale does not reach its GEMM: halving it changes nothing
+    outputs = []
+    for factor in (1.0, 0.5):
+        changed = {**state, "w3.input.scale": state["w3.input.scale"] * factor}
+        te_compile.load_recipe_state_dict(model, changed)
+        with torch.no_grad():
+            outputs.append(torch.compile(model, backend="te", fullgraph=True, options={**OPTIONS, **DELAYED})(x, counts))
+    assert_bitwise_equal(outputs[1], outputs[0], "w3 with half its input scale")
+    # each history still records the tokens' amax: the two stay equal
+    state = te_compile.recipe_state_dict(model)
+    assert_bitwise_equal(state["w3.input.amax_history"], state["w1.input.amax_history"], "w3's input history")
+
+
 def test_loading_expert_state_of_the_wrong_shape_names_the_key_and_the_shape():
     with pytest.raises(RuntimeError, match=r"w1.input.scale has shape \(1,\), expected \(4,\)"):
         te_compile.load_recipe_state_dict(GroupedExperts(), {

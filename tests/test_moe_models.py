@@ -69,12 +69,13 @@ def _batches(steps: int) -> torch.Tensor:
     return (start + stride * torch.arange(17)) % VOCAB
 
 
-def _train(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8CurrentScaling", build=None):
+def _train(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8CurrentScaling", build=None,
+           recipe_options=None):
     torch.manual_seed(0)
     model = (build or MODELS[name][0])().to(dtype)
     torch._dynamo.reset()
     te_compile.reset()
-    options = {"compiler": "aot_eager", "recipe": recipe}
+    options = {"compiler": "aot_eager", "recipe": recipe, "recipe_options": recipe_options or {}}
     compiled = torch.compile(model, backend="te", options=options) if te else model
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
@@ -124,3 +125,16 @@ def test_mixtral_trains_under_the_block_recipes(recipe):
     tolerance = 0.03 if recipe == "NVFP4BlockScaling" else 0.015
     assert abs(final_low - final_high) <= tolerance * final_high, f"{final_low:.4f} vs {final_high:.4f}"
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_mixtral_trains_with_its_swiglu_inputs_saved_in_fp8(recipe):
+    high, _ = _train("mixtral", torch.bfloat16, te=False)
+    low, report = _train("mixtral", torch.bfloat16, te=True, recipe=recipe,
+                         recipe_options={"fp8_activation_input": True})
+    swiglus = [s for s in report.sites if s.op == "swiglu" and "experts" in s.fqn]
+    assert len(swiglus) == 2 and all(s.rewritten and "input saved for backward in FP8" in s.reason
+                                     for s in swiglus), str(report)
+    final_high, final_low = sum(high[-5:]) / 5, sum(low[-5:]) / 5
+    assert abs(final_low - final_high) <= 0.015 * final_high, f"{final_low:.4f} vs {final_high:.4f}"

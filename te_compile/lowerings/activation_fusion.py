@@ -19,8 +19,10 @@ Forward computes a, its amax and its FP8 bytes and runs the GEMM: the same ops, 
 as te's unfused path. What is saved differs: the activation's input (which its backward needs
 anyway) and the FP8 scale, not the FP8 copy of a: backward recomputes a's bytes for the wgrad GEMM
 from the saved input (one elementwise pass) instead of keeping [M, K] bytes alive from forward to
-backward. Per-tensor recipes (current and delayed scaling); GEMMs and scale handling are
-fp8_linear.py's.
+backward. Under the recipe's ``fp8_activation_input`` that input is itself saved in FP8 (E4M3, a scale
+from its own amax; per expert between MoE GEMMs), and backward reads the activation and the wgrad
+operand from the dequantized values. Per-tensor recipes (current and delayed scaling); GEMMs and
+scale handling are fp8_linear.py's.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
 from ..quantization import current_scale, quantize_per_tensor, quantize_rows_per_group
 from ..recipe import Recipe
-from ..scaling import cast_to_fp8, group_amax, tensor_amax
+from ..scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
 from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering, autocast_dtype
@@ -89,6 +91,29 @@ def _activation_backward(kind: str, da: torch.Tensor, h: torch.Tensor, u: Option
     return torch.ops.aten.silu_backward(da * u, h), da * F.silu(h)
 
 
+def _stash(t: Optional[torch.Tensor], recipe: Recipe, groups: Optional[torch.Tensor] = None,
+           experts: int = 0) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """What forward saves of the activation's input ``t`` [M, K]: (t, None), or under
+    ``recipe.fp8_activation_input`` (E4M3 bytes, fp32 scale_inv [1] or per expert [E] with ``groups``),
+    the scale from t's own amax (no recipe state: nothing else reads it)."""
+    if t is None or not recipe.fp8_activation_input:
+        return t, None
+    fp8 = recipe.fp8_format.dtype_for("input")
+    amax = tensor_amax(t) if groups is None else group_amax(t, groups, experts)
+    scale = compute_scale(amax, fp8)
+    rows = scale if groups is None else scale[groups.clamp(max=experts - 1)][:, None]
+    return cast_to_fp8(t, rows, fp8), torch.div(torch.ones_like(scale), scale)
+
+
+def _unstash(saved: Optional[torch.Tensor], scale_inv: Optional[torch.Tensor], dtype: torch.dtype,
+             groups: Optional[torch.Tensor] = None, experts: int = 0) -> Optional[torch.Tensor]:
+    """The activation's input as backward reads it: as saved, or dequantized from ``_stash``'s FP8."""
+    if scale_inv is None:
+        return saved
+    rows = scale_inv if groups is None else scale_inv[groups.clamp(max=experts - 1)][:, None]
+    return (saved.to(torch.float32) * rows).to(dtype)
+
+
 @dataclass(frozen=True)
 class ActivationLinearSpec:
     fqn: str                                 # the module applying the activation
@@ -118,18 +143,20 @@ class ActFp8LinearFunction(torch.autograd.Function):
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
         ctx.has_g_scale = g_scale is not None
-        ctx.save_for_backward(h, u, x_scale, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]),
-                              *((g_scale,) if g_scale is not None else ()))
+        ctx.save_for_backward(*_stash(h, recipe), *_stash(u, recipe), x_scale, x_sinv, wq, w_sinv,
+                              torch.cat([x_amax, w_amax]), *((g_scale,) if g_scale is not None else ()))
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         spec = ctx.spec
-        h, u, x_scale, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
+        h, h_sinv, u, u_sinv, x_scale, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
         h_dtype, a_dtype, w_dtype = ctx.dtypes
+        h, u = _unstash(h, h_sinv, h_dtype), _unstash(u, u_sinv, h_dtype)
 
         def xq_colmajor():
-            # the forward's FP8 operand, recomputed from the saved activation input and scale
+            # the forward's FP8 operand, recomputed from the saved activation input and scale (from
+            # its FP8 copy under fp8_activation_input: near the forward's bytes, not equal to them)
             a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
             return column_major(cast_to_fp8(a, x_scale, spec.recipe.fp8_format.dtype_for("input")))
 
@@ -200,7 +227,8 @@ class ActFp8GroupedLinearFunction(torch.autograd.Function):
         y, wq, w_sinv, w_amax = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale, out_dtype=a.dtype)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_ekn.dtype)
-        ctx.save_for_backward(h, u, x_scale, x_sinv, wq, w_sinv, offs, groups, torch.cat([x_amax, w_amax]),
+        ctx.save_for_backward(*_stash(h, recipe, groups, experts), *_stash(u, recipe, groups, experts), x_scale,
+                              x_sinv, wq, w_sinv, offs, groups, torch.cat([x_amax, w_amax]),
                               *((g_scale,) if g_scale is not None else ()))
         ctx.mark_non_differentiable(offs)
         return y
@@ -208,12 +236,15 @@ class ActFp8GroupedLinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         spec = ctx.spec
-        h, u, x_scale, x_sinv, wq, w_sinv, offs, groups, xw_amax, *g_scale = ctx.saved_tensors
+        h, h_sinv, u, u_sinv, x_scale, x_sinv, wq, w_sinv, offs, groups, xw_amax, *g_scale = ctx.saved_tensors
         h_dtype, a_dtype, w_dtype = ctx.dtypes
+        experts = wq.shape[0]
+        h, u = _unstash(h, h_sinv, h_dtype, groups, experts), _unstash(u, u_sinv, h_dtype, groups, experts)
         need_da = ctx.needs_input_grad[1] or ctx.needs_input_grad[2]
         xq = None
         if ctx.needs_input_grad[3]:
-            # the forward's FP8 operand, recomputed from the saved activation input and scales
+            # the forward's FP8 operand, recomputed from the saved activation input and scales (from
+            # its FP8 copy under fp8_activation_input: near the forward's bytes, not equal to them)
             a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
             xq, _, _ = quantize_rows_per_group(a, groups, wq.shape[0], "input", spec.recipe, x_scale)
         da, dw, g_amax = grouped_dgrad_wgrad(grad_y, groups, offs, spec.recipe, wq, w_sinv, xq, x_sinv,

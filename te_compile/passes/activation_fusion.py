@@ -49,6 +49,10 @@ _ARITH = {"mul", "add", "sub", "truediv", "div", "neg", "pow", "__pow__", "__mul
 _TRANSCENDENTAL = {"tanh", "sigmoid", "erf"}
 
 
+def _storage_note(recipe) -> str:
+    return "; input saved for backward in FP8 (fp8_activation_input)" if recipe.fp8_activation_input else ""
+
+
 def _site(node: fx.Node) -> Optional[tuple[str, fx.Node, Optional[fx.Node], fx.Node]]:
     """(kind, h, u, output node) when ``node`` applies an activation of ACTIVATIONS, else None."""
     if not node.args or not isinstance(node.args[0], fx.Node):
@@ -141,7 +145,8 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe,
                                     False if grouped else linear.spec.weight_in_out, reader.casts)
         record(True, f"fused into {linear_name(reader)}" + (" (grouped GEMM)" if grouped else "")
-               + (" (tanh GELU)" if kind.endswith("_tanh") else ""), linear.spec.recipe.name)
+               + (" (tanh GELU)" if kind.endswith("_tanh") else "")
+               + _storage_note(linear.spec.recipe), linear.spec.recipe.name)
         lowering = (ActivationGroupedLinearLowering(spec, linear) if grouped
                     else ActivationLinearLowering(spec, linear))
         _replace(scope.graph, reader, lowering, h, u)
@@ -237,7 +242,8 @@ def fuse_hand_written_activations(ctx: PassContext, scope: GraphScope) -> int:
         linear = node.target
         record = SiteRecord(fqn=fqn, op=op, recipe=linear.spec.recipe.name, rewritten=why is None,
                             reason=(f"{linear_name(reader)}: {why}" if why else
-                                    f"fused into {linear_name(reader)} (hand-written {op.upper()})") + scope.where,
+                                    f"fused into {linear_name(reader)} (hand-written {op.upper()})"
+                                    + _storage_note(linear.spec.recipe)) + scope.where,
                             shapes=shape_text("x", h), graph=ctx.graph_id)
         ctx.record(scope, nodes[0], record)
         if why is not None:

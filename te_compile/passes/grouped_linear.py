@@ -71,10 +71,31 @@ def _align(site: GroupedSite, recipe: Recipe) -> int:
     return GROUP_ALIGN if native else 1
 
 
+# Casts that give the same tokens the same bytes wherever they are written (torchtitan casts x with
+# .bfloat16() once per GEMM): tokens reached through the same chain of them are one tensor.
+_SAME_VALUE_METHODS = ("bfloat16", "float", "half", "contiguous")
+
+
+def _tokens_key(x) -> tuple:
+    """(the node ``x`` is a cast copy of, the casts on the way): equal keys hold equal values."""
+    chain = []
+    while (getattr(x, "op", None) == "call_method" and len(x.args) == 1 and not x.kwargs
+           and x.target in _SAME_VALUE_METHODS):
+        chain.append(x.target)
+        x = x.args[0]
+    return x, tuple(chain)
+
+
 def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
-    """Rewrite the eligible grouped GEMM sites of ``scope``; one report row per site found."""
+    """Rewrite the eligible grouped GEMM sites of ``scope``; one report row per site found.
+
+    Under DelayedScaling, grouped GEMMs reading the same tokens (torchtitan's w1 and w3) quantize
+    them with the first one's input scale, as the readers of a fused norm do: one FP8 copy of the
+    tokens, saved once. Each still records the tokens' amax in its own history, so the histories
+    (and scales) stay equal."""
     config = ctx.config
     planned = []
+    first_reader: dict[tuple, tuple[str, object]] = {}   # (tokens, offs, recipe) -> (weight name, scale node)
     for site in find_grouped_sites(scope):
         recipe, why = config.recipe_for(site.fqn)
         record = ctx.recorder(scope, site.node, site.fqn, "grouped_linear", _shapes(site))
@@ -102,6 +123,12 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
                 continue
             if groups:
                 collectives = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step"
+            key = (*_tokens_key(site.x), site.offs, recipe)
+            if key in first_reader:
+                name, extra[1] = first_reader[key]
+                why += f"; tokens quantized with {name}'s input scale (the same tokens)"
+            else:
+                first_reader[key] = (site.param.name, extra[1])
         spec = GroupedLinearSpec(site.fqn, recipe, _align(site, recipe))
         planned.append((site, GroupedLinearLowering(spec), extra))
         x = value_of(site.x)
