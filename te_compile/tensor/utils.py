@@ -63,17 +63,18 @@ def is_custom(x) -> bool:
 
 
 # The buffer holding each format's rowwise bytes (what a ZeRO all-gather moves).
-_RAW_DATA = ((Float8TensorStorage, "_data"), (Float8BlockwiseQTensorStorage, "_rowwise_data"))
+_RAW_DATA = ((Float8TensorStorage, "_data"), (Float8BlockwiseQTensorStorage, "_rowwise_data"),
+             (GroupedFloat8Tensor, "_data"))
 
 
 def replace_raw_data(tensor: QuantizedTensorStorage, new_raw_data: torch.Tensor) -> None:
     """Move a quantized tensor's rowwise bytes into ``new_raw_data`` (e.g. a slice of one contiguous
     ZeRO buffer) and make it the tensor's buffer; the values do not change, the old buffer is released.
-    Float8Tensor (``_data``) and Float8BlockwiseQTensor (``_rowwise_data``); MXFP8 keeps two copies
-    with their own scales, so one buffer cannot hold it."""
+    Float8Tensor and GroupedFloat8Tensor (``_data``) and Float8BlockwiseQTensor (``_rowwise_data``);
+    MXFP8 keeps two copies with their own scales, so one buffer cannot hold it."""
     field = next((name for cls, name in _RAW_DATA if isinstance(tensor, cls)), None)
     if field is None:
-        raise ValueError(f"replace_raw_data needs a Float8Tensor or Float8BlockwiseQTensor, got "
+        raise ValueError(f"replace_raw_data needs a Float8Tensor, GroupedFloat8Tensor or Float8BlockwiseQTensor, got "
                          f"{type(tensor).__name__}" + (" (MXFP8 keeps two independently scaled copies; "
                                                        "gather both)" if isinstance(tensor, MXFP8TensorStorage) else ""))
     old = getattr(tensor, field)
@@ -91,7 +92,8 @@ def replace_raw_data(tensor: QuantizedTensorStorage, new_raw_data: torch.Tensor)
 def post_all_gather_processing(model_weights) -> None:
     """Rebuild, from the gathered rowwise bytes, the copies derived from them: a Float8Tensor's
     transpose cache and a Float8 block weight's columnwise copy, where the weight keeps one. MXFP8
-    (both copies are cast and gathered) and plain tensors need nothing. Idempotent."""
+    (both copies are cast and gathered), GroupedFloat8Tensor (no derived copy) and plain tensors need
+    nothing. Idempotent."""
     weights = model_weights if isinstance(model_weights, (list, tuple)) else [model_weights]
     for weight in weights:
         if isinstance(weight, Float8Tensor):
@@ -101,7 +103,7 @@ def post_all_gather_processing(model_weights) -> None:
             if weight._columnwise_data is not None:
                 weight._columnwise_data = None
                 weight.update_usage(columnwise_usage=True)
-        elif isinstance(weight, QuantizedTensor) and not isinstance(weight, MXFP8TensorStorage):
+        elif isinstance(weight, QuantizedTensor) and not isinstance(weight, (MXFP8TensorStorage, GroupedFloat8Tensor)):
             raise ValueError(f"post_all_gather_processing: {type(weight).__name__} is not supported")
 
 
