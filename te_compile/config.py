@@ -43,10 +43,11 @@ _ENV_VAR = "TE_COMPILE_CONFIG"
 _COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
-             "amax_group")
-_DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules")
-_AMAX_GROUP_NAMES = ("world", "none")
-_EXPERT_AMAX_GROUP_NAMES = ("same", "world", "none")
+             "amax_group", "mesh")
+_DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims")
+_AMAX_GROUP_NAMES = ("auto", "world", "none")
+_EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
+_GROUP_FORMS = "a list of mesh dim names, or from Python a ProcessGroup or a DeviceMesh"
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
 
 
@@ -109,39 +110,90 @@ class Override:
             raise ValueError(f"Override.recipe must be a Recipe or None, got {self.recipe!r}")
 
 
+def _group_problem(value: Any, names: tuple[str, ...]) -> Optional[str]:
+    """Why ``value`` is no amax group setting (one of ``names``, a list of mesh dim names, a
+    ProcessGroup, a DeviceMesh), or None. Dim names are checked against the mesh at compile time."""
+    if isinstance(value, str):
+        if value in names:
+            return None
+        return f"unknown amax group {value!r}; allowed: {list(names)}, {_GROUP_FORMS}"
+    if isinstance(value, (list, tuple)):
+        if not value or not all(isinstance(d, str) and d for d in value):
+            return f"a list of mesh dim names must be non-empty strings, got {list(value)!r}"
+        if len(set(value)) != len(value):
+            return f"mesh dim names repeat in {list(value)!r}"
+        return None
+    if _is_group_object(value):
+        return None
+    return f"expected {list(names)}, {_GROUP_FORMS}, got {value!r} ({type(value).__name__})"
+
+
+def _is_mesh(value: Any) -> bool:
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(value, DeviceMesh)
+
+
+def _is_group_object(value: Any) -> bool:
+    try:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    # NON_GROUP_MEMBER: what dist.new_group returns on a rank outside the group; the backend says so
+    return isinstance(value, (dist.ProcessGroup, DeviceMesh)) or value is dist.GroupMember.NON_GROUP_MEMBER
+
+
 @dataclass(frozen=True)
 class DistributedConfig:
     """Amax reductions across ranks (te_compile/distributed.py); nothing happens in one process."""
 
     # The group DelayedScaling's amaxes are all-reduced over (MAX) before they enter the histories,
-    # so every rank keeps the same scales: "world" (the default process group), "none" (each rank
-    # keeps its own), or from Python a ProcessGroup or a 1-D DeviceMesh. Recipes with
+    # so every rank keeps the same scales: "auto" (every dim of the device mesh but the pipeline dims,
+    # or the world when no mesh is known), "world" (the default process group), "none" (each rank
+    # keeps its own), a list of mesh dim names (["dp_replicate", "dp_shard", "tp"]: one group over
+    # their product), or from Python a ProcessGroup or a DeviceMesh (all its dims). Recipes with
     # reduce_amax = false skip it. Tensors sharded as DTensors are reduced over their mesh dims anyway.
-    amax_group: Any = "world"
+    amax_group: Any = "auto"
     # Module globs whose linear operands are shards of one tensor across the amax group although they
     # are plain tensors (tensor parallelism written by hand): current scaling all-reduces their
     # amaxes (input, weight, grad_output) over the amax group, so the bytes match one process.
     sharded_modules: tuple[str, ...] = ()
     # The group the DelayedScaling amaxes of MoE expert weights are all-reduced over: "same" (amax_group's:
     # right when every rank holds every expert, as under DDP or FSDP2), "none" (expert parallelism:
-    # each rank's experts are its own, and no other rank sees their tokens), "world", or from Python
-    # the ProcessGroup / 1-D DeviceMesh of the ranks holding the same experts. Under "same", expert
-    # weights that are DTensors read through to_local() (torchtitan's expert parallelism) use the
-    # mesh dims that do not shard the experts instead.
+    # each rank's experts are its own, and no other rank sees their tokens), any form amax_group takes,
+    # e.g. the mesh dims of the ranks holding the same experts. Under "same", expert weights that are
+    # DTensors read through to_local() (torchtitan's expert parallelism) use the mesh dims that do not
+    # shard the experts instead.
     expert_amax_group: Any = "same"
+    # The DeviceMesh that mesh dim names (and "auto") refer to, from Python only (a TOML file cannot
+    # hold one): the root mesh or any sub-mesh of it. None: the root mesh of the DTensors the graph
+    # reads (tensor parallelism), if any.
+    mesh: Any = None
+    # Mesh dims that are pipeline stages: no amax is ever reduced across them ("auto" leaves them out,
+    # naming one in amax_group is an error), since each stage holds other weights and runs other graphs.
+    pipeline_dims: tuple[str, ...] = ("pp",)
 
     def __post_init__(self):
         object.__setattr__(self, "sharded_modules", tuple(self.sharded_modules))
-        if isinstance(self.expert_amax_group, str) and self.expert_amax_group not in _EXPERT_AMAX_GROUP_NAMES:
-            raise ValueError(f"DistributedConfig.expert_amax_group must be one of {list(_EXPERT_AMAX_GROUP_NAMES)}, "
-                             f"a ProcessGroup or a 1-D DeviceMesh, got {self.expert_amax_group!r}")
+        object.__setattr__(self, "pipeline_dims", tuple(self.pipeline_dims))
+        for key, names in (("amax_group", _AMAX_GROUP_NAMES), ("expert_amax_group", _EXPERT_AMAX_GROUP_NAMES)):
+            value = getattr(self, key)
+            if isinstance(value, list):
+                object.__setattr__(self, key, value := tuple(value))
+            problem = _group_problem(value, names)
+            if problem:
+                raise ValueError(f"DistributedConfig.{key}: {problem}")
         for glob in self.sharded_modules:
             problem = _glob_problem(glob)
             if problem:
                 raise ValueError(f"DistributedConfig.sharded_modules {problem}")
-        if isinstance(self.amax_group, str) and self.amax_group not in _AMAX_GROUP_NAMES:
-            raise ValueError(f"DistributedConfig.amax_group must be one of {list(_AMAX_GROUP_NAMES)}, "
-                             f"a ProcessGroup or a 1-D DeviceMesh, got {self.amax_group!r}")
+        if self.mesh is not None and not _is_mesh(self.mesh):
+            raise ValueError(f"DistributedConfig.mesh must be a DeviceMesh or None, got {self.mesh!r}")
+        if not all(isinstance(d, str) and d for d in self.pipeline_dims):
+            raise ValueError(f"DistributedConfig.pipeline_dims must be mesh dim names, got {list(self.pipeline_dims)!r}")
 
     def sharded(self, fqn: str) -> bool:
         return any(fnmatchcase(fqn, glob) for glob in self.sharded_modules)
@@ -345,30 +397,33 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     value = data.get("distributed", {})
     if isinstance(value, DistributedConfig):
         table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules,
-                 "expert_amax_group": value.expert_amax_group}
+                 "expert_amax_group": value.expert_amax_group, "mesh": value.mesh,
+                 "pipeline_dims": value.pipeline_dims}
     else:
         table = dict(_table(value, "distributed", source))
         _check_keys(table, _DISTRIBUTED_KEYS, "distributed.", source)
     key = "distributed.amax_group"
     if "amax_group" in data:
         table["amax_group"], key = data["amax_group"], "amax_group"
-    group = table.get("amax_group", DistributedConfig.amax_group)
-    if isinstance(group, str):
-        if group not in _AMAX_GROUP_NAMES:
-            raise _error(source, key, f"unknown amax group {group!r}; allowed: {list(_AMAX_GROUP_NAMES)} "
-                                      f"(or, from Python, a ProcessGroup or a 1-D DeviceMesh)")
-    elif not _is_group_object(group):
-        raise _error(source, key, f"expected {list(_AMAX_GROUP_NAMES)}, a ProcessGroup or a 1-D "
-                                  f"DeviceMesh, got {group!r} ({type(group).__name__})")
-    experts = table.get("expert_amax_group", DistributedConfig.expert_amax_group)
-    if isinstance(experts, str):
-        if experts not in _EXPERT_AMAX_GROUP_NAMES:
-            raise _error(source, "distributed.expert_amax_group",
-                         f"unknown amax group {experts!r}; allowed: {list(_EXPERT_AMAX_GROUP_NAMES)} (or, from "
-                         f"Python, a ProcessGroup or a 1-D DeviceMesh)")
-    elif not _is_group_object(experts):
-        raise _error(source, "distributed.expert_amax_group", f"expected {list(_EXPERT_AMAX_GROUP_NAMES)}, a "
-                                                             f"ProcessGroup or a 1-D DeviceMesh, got {experts!r}")
+    mesh_key = "distributed.mesh"
+    if "mesh" in data:
+        table["mesh"], mesh_key = data["mesh"], "mesh"
+    groups = {}
+    for name, where, names in (("amax_group", key, _AMAX_GROUP_NAMES),
+                               ("expert_amax_group", "distributed.expert_amax_group", _EXPERT_AMAX_GROUP_NAMES)):
+        value = table.get(name, getattr(DistributedConfig, name))
+        problem = _group_problem(value, names)
+        if problem:
+            raise _error(source, where, problem)
+        groups[name] = tuple(value) if isinstance(value, list) else value
+    mesh = table.get("mesh")
+    if mesh is not None and not _is_mesh(mesh):
+        raise _error(source, mesh_key, f"expected a DeviceMesh (from Python: options={{'mesh': mesh}}), got "
+                                       f"{mesh!r} ({type(mesh).__name__})")
+    pipeline = table.get("pipeline_dims", DistributedConfig.pipeline_dims)
+    if isinstance(pipeline, str) or not isinstance(pipeline, (list, tuple)) or not all(
+            isinstance(d, str) and d for d in pipeline):
+        raise _error(source, "distributed.pipeline_dims", f"expected an array of mesh dim names, got {pipeline!r}")
     globs = table.get("sharded_modules", ())
     if isinstance(globs, str) or not isinstance(globs, (list, tuple)):
         raise _error(source, "distributed.sharded_modules", f"expected an array of module globs, got {globs!r}")
@@ -376,17 +431,7 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
         problem = _glob_problem(glob)
         if problem:
             raise _error(source, f"distributed.sharded_modules[{i}]", problem)
-    return DistributedConfig(group, tuple(globs), experts)
-
-
-def _is_group_object(value: Any) -> bool:
-    try:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    # NON_GROUP_MEMBER: what dist.new_group returns on a rank outside the group; the backend says so
-    return isinstance(value, (dist.ProcessGroup, DeviceMesh)) or value is dist.GroupMember.NON_GROUP_MEMBER
+    return DistributedConfig(groups["amax_group"], tuple(globs), groups["expert_amax_group"], mesh, tuple(pipeline))
 
 
 def config_from_dict(data: Mapping, source: str) -> TeConfig:

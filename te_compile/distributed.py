@@ -26,7 +26,7 @@ from .recipe import GEMM_ROLES
 
 __all__ = ["AmaxGroup", "NO_GROUPS", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
            "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value",
-           "expert_shard_groups", "describe_placements"]
+           "expert_shard_groups", "describe_placements", "mesh_dims_group", "graph_mesh"]
 
 
 def is_dtensor(t) -> bool:
@@ -83,6 +83,21 @@ def mesh_dim_group(mesh, dim: int) -> Optional[AmaxGroup]:
     return _group(mesh.get_group(dim), label)
 
 
+def mesh_dims_group(mesh, dims: Sequence[int]) -> tuple[AmaxGroup, ...]:
+    """The group(s) spanning ``mesh``'s dims ``dims`` together: one group over their product (the
+    flattened sub-mesh torch names "dp_shard_tp"), so that one MAX all-reduce covers every rank that
+    holds part of a tensor split over those dims. A mesh without dim names cannot be flattened: one
+    group per dim then (a max over each in turn is the same max, at one collective per dim)."""
+    dims = [d for d in dims if mesh.size(d) > 1]
+    if len(dims) <= 1:
+        return minimal_groups(mesh_dim_group(mesh, d) for d in dims)
+    names = mesh.mesh_dim_names
+    if not names:
+        return minimal_groups(mesh_dim_group(mesh, d) for d in dims)
+    flat = mesh[tuple(names[d] for d in dims)]._flatten()
+    return minimal_groups([_group(flat.get_group(0), flat.mesh_dim_names[0])])
+
+
 def expert_shard_groups(weight) -> tuple[AmaxGroup, ...]:
     """For a 3-D expert weight [E, ...] sharded as a DTensor, the mesh dims whose ranks hold the same
     experts: every dim that does not shard dim 0 (Replicate, or tensor parallelism's Shard(1) / (2)).
@@ -101,12 +116,56 @@ def describe_placements(t) -> str:
     return ", ".join(f"{p!r} on {n} ({mesh.size(d)} ranks)" for d, (p, n) in enumerate(zip(t.placements, names)))
 
 
-def resolve_amax_group(spec: Any) -> Optional[AmaxGroup]:
+def graph_mesh(values: Sequence) -> Any:
+    """The root DeviceMesh of the first DTensor among ``values`` (a graph's example inputs: tensor
+    parallel weights and activations), or None."""
+    for v in values:
+        if is_dtensor(v):
+            return v.device_mesh._get_root_mesh()
+    return None
+
+
+def _single(groups: tuple[AmaxGroup, ...], what: str) -> Optional[AmaxGroup]:
+    if len(groups) > 1:
+        raise ValueError(f"amax_group: {what} has no dim names, so its dims cannot be joined into one "
+                         f"group; name the mesh dims (init_device_mesh(..., mesh_dim_names=...))")
+    return groups[0] if groups else None
+
+
+def _named_dims_group(names: Sequence[str], mesh, pipeline_dims: Sequence[str]) -> Optional[AmaxGroup]:
+    if mesh is None:
+        raise ValueError(f"amax_group: names the mesh dims {list(names)}, but no DeviceMesh is known: pass it "
+                         f"in the options (options={{'mesh': mesh}}), or the graph must read DTensors")
+    root = mesh._get_root_mesh()
+    known = root.mesh_dim_names or ()
+    for name in names:
+        if name in pipeline_dims:
+            raise ValueError(f"amax_group: {name!r} is a pipeline dim (distributed.pipeline_dims = "
+                             f"{list(pipeline_dims)}): each stage holds other weights and runs other graphs, "
+                             f"so no amax is reduced across stages; name the data and tensor dims only")
+        if name not in known:
+            raise ValueError(f"amax_group: the mesh has no dim {name!r}; its dims are {list(known)} "
+                             f"(shape {tuple(root.shape)})")
+    if root.get_coordinate() is None:
+        raise ValueError(f"amax_group: this process (global rank {_rank()}) is not in the mesh "
+                         f"{root.mesh.tolist()}")
+    return _single(mesh_dims_group(root, [known.index(n) for n in names]), "the mesh")
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank()
+
+
+def resolve_amax_group(spec: Any, mesh: Any = None, pipeline_dims: Sequence[str] = ("pp",)) -> Optional[AmaxGroup]:
     """The amax group a config names, for this process; None when no collective is needed.
 
-    spec: "world" (the default process group, when torch.distributed is initialized), "none", a
-    ``ProcessGroup`` or a 1-D ``DeviceMesh``. Raises ValueError for a group this rank is not in and
-    for a mesh with more than one dimension (name the dim: ``mesh["dp"]``).
+    spec: "auto" (every dim of ``mesh``'s root mesh but ``pipeline_dims``; the world when ``mesh`` is
+    None), "world" (the default process group, when torch.distributed is initialized), "none", a
+    tuple of mesh dim names (one group over their product), a ``ProcessGroup`` or a ``DeviceMesh``
+    (all its dims). Raises ValueError for a group this rank is not in, a dim the mesh lacks and a
+    pipeline dim.
     """
     import torch.distributed as dist
 
@@ -116,23 +175,35 @@ def resolve_amax_group(spec: Any) -> Optional[AmaxGroup]:
         raise ValueError(f"amax_group: this process (global rank {dist.get_rank()}) is not a member of "
                          f"the group (dist.new_group returned NON_GROUP_MEMBER on this rank); every rank "
                          f"that runs the model must be in its amax group")
+    if isinstance(spec, str) and spec == "auto":
+        root = None if mesh is None else mesh._get_root_mesh()
+        if root is None or (root.ndim == 1 and not root.mesh_dim_names):
+            return _group(dist.group.WORLD, "world") if root is None else mesh_dim_group(root, 0)
+        if not root.mesh_dim_names:
+            return _single(mesh_dims_group(root, range(root.ndim)), "the mesh")
+        names = [n for n in root.mesh_dim_names if n not in pipeline_dims]
+        return _named_dims_group(names, root, pipeline_dims) if names else None
     if isinstance(spec, str) and spec == "world":
         return _group(dist.group.WORLD, "world")
+    if isinstance(spec, (tuple, list)):
+        return _named_dims_group(spec, mesh, pipeline_dims)
     from torch.distributed.device_mesh import DeviceMesh
 
     if isinstance(spec, DeviceMesh):
-        if spec.ndim != 1:
-            raise ValueError(f"amax_group: a DeviceMesh must be 1-D, got a {spec.ndim}-D mesh "
-                             f"{tuple(spec.shape)} with dims {spec.mesh_dim_names}; pass one dim of it, "
-                             f"e.g. mesh[{(spec.mesh_dim_names or ('<name>',))[0]!r}]")
         if spec.get_coordinate() is None:
             raise ValueError(f"amax_group: this process (global rank {dist.get_rank()}) is not in the "
                              f"mesh {spec.mesh.tolist()}")
-        return mesh_dim_group(spec, 0)
+        if spec.ndim == 1:
+            return mesh_dim_group(spec, 0)
+        for name in spec.mesh_dim_names or ():
+            if name in pipeline_dims:
+                raise ValueError(f"amax_group: the mesh's dim {name!r} is a pipeline dim (distributed."
+                                 f"pipeline_dims); no amax is reduced across stages: pass the mesh without it")
+        return _single(mesh_dims_group(spec, range(spec.ndim)), f"the {spec.ndim}-D mesh")
     if isinstance(spec, dist.ProcessGroup):
         return _group(spec, f"group {spec.group_name}")
-    raise ValueError(f"amax_group: expected 'world', 'none', a ProcessGroup or a 1-D DeviceMesh, "
-                     f"got {spec!r}")
+    raise ValueError(f"amax_group: expected 'auto', 'world', 'none', a list of mesh dim names, a ProcessGroup "
+                     f"or a DeviceMesh, got {spec!r}")
 
 
 def minimal_groups(groups) -> tuple[AmaxGroup, ...]:

@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
+from .distributed import is_dtensor, local_value
 from .quantization import current_scale, quantize_per_tensor, weight_ineligibility, weight_quantizer
 from .scaling import cast_to_fp8, tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
@@ -88,6 +89,7 @@ class _Slot:
         self.experts = weight.shape[0] if weight is not None and weight.dim() == 3 else 0
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
+        self.groups: Optional[tuple] = None   # reduce_groups, once known
         # block formats: the weight quantizer (scales are per block: shards need no amax reduction)
         self.block_quantizer = weight_quantizer(recipe) if recipe.weight_gather_block_rows else None
         # delayed scaling: the quantizer with the weight's state (its scale), carried to the gathered weight
@@ -111,16 +113,34 @@ class _Slot:
         return out
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
-        """The sharded parameter (a DTensor over a wrapper) when it is sharded on ``mesh`` right
+        """The sharded parameter (a DTensor over a wrapper) when FSDP has it sharded on ``mesh`` right
         now, else None (FSDP holds the unsharded weight on the module between its all-gather and
-        its reshard)."""
+        its reshard). ``mesh`` is the FSDP shard mesh FSDP2 passes to the all-gather; the parameter
+        lives on it, or on a 2-D or 3-D mesh that contains it (HSDP's replicate dim, a TP dim)."""
         from torch.distributed.tensor import DTensor
 
         param = getattr(self.module, self.name)
-        if (isinstance(param, DTensor) and param.device_mesh == mesh
-                and isinstance(param._local_tensor, Fp8AllGatherWeight)):
+        if (isinstance(param, DTensor) and isinstance(param._local_tensor, Fp8AllGatherWeight)
+                and _mesh_ranks(mesh) <= _mesh_ranks(param.device_mesh)):
             return param
         return None
+
+    def reduce_groups(self, param) -> tuple:
+        """The groups the shard amaxes are all-reduced over so that they become the whole weight's:
+        every mesh dim the sharded parameter is split on (FSDP's dp_shard, a TP dim), as one flattened
+        group; HSDP's replicate dim holds copies and is left out. Made once: a flattened group is a
+        new process group, which every rank creates in the same order (all ranks refresh together)."""
+        if self.groups is None:
+            from .distributed import mesh_dims_group
+
+            # not is_shard(): FSDP's _StridedShard over a TP-sharded dim is no Shard in torch 2.13
+            dims = [d for d, p in enumerate(param.placements) if not (p.is_replicate() or p.is_partial())]
+            self.groups = mesh_dims_group(param.device_mesh, dims)
+        return self.groups
+
+
+def _mesh_ranks(mesh) -> set:
+    return set(mesh.mesh.flatten().tolist())
 
 
 class _ScaleBook:
@@ -144,8 +164,8 @@ class _ScaleBook:
             mesh_dims = getattr(getattr(current, "device_mesh", None), "ndim", None)
             raise RuntimeError(
                 f"{slot.fqn}: FSDP2 all-gathers a weight that is not the module's parameter sharded on "
-                f"the all-gather's mesh (its mesh has {mesh_dims} dims); enable_fp8_all_gather supports "
-                f"fully_shard on a 1-D mesh (not HSDP or FSDP + TP yet)")
+                f"the all-gather's mesh {mesh} (the parameter's mesh has {mesh_dims} dims); was the "
+                f"parameter replaced after enable_fp8_all_gather?")
         # The optimizer's in-place update (and load_state_dict's copy_) bump the sharded
         # parameter's version counter: then the cached amax is stale.
         if slot.amax is None or slot.version != param._version:
@@ -153,16 +173,17 @@ class _ScaleBook:
         return slot.amax
 
     def _refresh(self, mesh) -> None:
-        """One MAX all-reduce of the shard amaxes of every weight sharded on ``mesh`` now."""
-        import torch.distributed as dist
+        """The shard amaxes of every weight sharded on ``mesh`` now, all-reduced with MAX: one
+        collective per distinct group (one for all on a 1-D mesh, under HSDP and under FSDP + TP;
+        FSDP + TP adds one for weights TP leaves whole, which are split on dp_shard alone)."""
+        from .distributed import reduce_amaxes
 
         members = [(slot, param) for slot in self.slots
                    if slot.block_quantizer is None and (param := slot.sharded(mesh)) is not None]
-        amaxes = torch.cat([slot.local_amax(param) for slot, param in members])
-        if mesh.size() > 1:
-            dist.all_reduce(amaxes, op=dist.ReduceOp.MAX, group=mesh.get_group())
+        amaxes = reduce_amaxes([slot.local_amax(param) for slot, param in members],
+                               [slot.reduce_groups(param) for slot, param in members])
         self.refreshes += 1
-        for (slot, param), amax in zip(members, amaxes.split([max(1, slot.experts) for slot, _ in members])):
+        for (slot, param), amax in zip(members, amaxes):
             slot.amax, slot.version = amax, param._version
 
 
@@ -279,7 +300,9 @@ class Fp8AllGatherWeight(torch.Tensor):
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """A Float8Tensor over the gathered bytes (FSDP trims the padding with as_strided); a block-
-        scaled tensor over the gathered buffers."""
+        scaled tensor over the gathered buffers. Under FSDP + TP the buffer ``out`` of a re-gather is
+        the unsharded DTensor on the TP mesh; its local tensor is what the first gather returned."""
+        out = local_value(out)
         if isinstance(metadata, FsdpBlockMeta):
             return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
         if isinstance(metadata, GroupedFsdpMeta):
@@ -330,13 +353,13 @@ def _fp8_gather_weights(model: nn.Module, config: TeConfig):
             name = recipe.name if recipe is not None else "none"
             skipped[fqn] = (f"recipe {name}: FP8 all-gather supports Float8CurrentScaling, DelayedScaling, "
                             f"MXFP8BlockScaling and Float8BlockScaling")
-        elif isinstance(module.weight, Fp8AllGatherWeight):
+        elif isinstance(local_value(module.weight), Fp8AllGatherWeight):
             skipped[fqn] = "already wrapped"
-        elif why := weight_ineligibility(module.weight, recipe):
+        elif why := weight_ineligibility(local_value(module.weight), recipe):
             # the linear pass leaves such a linear in high precision; an FP8-gathered weight would
             # only lose precision there
             skipped[fqn] = why
-        elif recipe.weight_gather_block_rows and (why := _block_shard_problem(module.weight, recipe)):
+        elif recipe.weight_gather_block_rows and (why := _block_shard_problem(local_value(module.weight), recipe)):
             skipped[fqn] = why
         else:
             chosen.append((module, "weight", fqn, recipe))
@@ -351,8 +374,11 @@ def _expert_problem(param: torch.Tensor, recipe, config: TeConfig) -> Optional[s
         name = recipe.name if recipe is not None else "none"
         return (f"recipe {name}: expert weights are gathered in FP8 under Float8CurrentScaling and "
                 f"DelayedScaling (one scale per expert)")
-    if isinstance(param, Fp8AllGatherWeight):
+    if isinstance(local_value(param), Fp8AllGatherWeight):
         return "already wrapped"
+    if is_dtensor(param) and any(p.is_shard(0) for p in param.placements):
+        return (f"expert weight {list(param.shape)} is a DTensor split by expert ({param.placements}): "
+                f"FP8 all-gather over expert parallelism is not supported yet")
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"weight dtype {param.dtype} is not one of fp32, bf16, fp16"
     if any(d % recipe.gemm_alignment for d in param.shape[1:]):
@@ -380,7 +406,16 @@ def enable_fp8_all_gather(model: nn.Module, config: Union[str, os.PathLike, TeCo
     for module, name, fqn, recipe in chosen:
         weight = getattr(module, name)
         book.slots.append(_Slot(module, name, fqn, recipe))
-        wrapped = Fp8AllGatherWeight(weight.detach(), book, len(book.slots) - 1)
+        if is_dtensor(weight):
+            # tensor parallelism came first (torchtitan's order): the wrapper goes around the TP shard,
+            # which FSDP2 shards again on its dp dim and all-gathers back to the TP shard
+            from torch.distributed.tensor import DTensor
+
+            inner = Fp8AllGatherWeight(weight._local_tensor.detach(), book, len(book.slots) - 1)
+            wrapped = DTensor.from_local(inner, weight.device_mesh, weight.placements, run_check=False,
+                                         shape=weight.shape, stride=weight.stride())
+        else:
+            wrapped = Fp8AllGatherWeight(weight.detach(), book, len(book.slots) - 1)
         setattr(module, name, nn.Parameter(wrapped, requires_grad=weight.requires_grad))
         outcome[fqn] = "FP8 all-gather" + (" (one scale per expert)" if weight.dim() == 3 else "")
     model._te_fp8_all_gather = book

@@ -389,7 +389,7 @@ def error_for(tmp_path, monkeypatch):
 def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
-                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group'\]", message), message
+                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group', 'mesh'\]", message), message
 
 
 def test_error_unknown_recipe_name(error_for):
@@ -529,11 +529,12 @@ def test_error_unknown_rewrite_key(error_for):
 
 def test_expert_amax_group_loads_and_names_the_allowed_groups(tmp_path, error_for):
     config = load_config(write(tmp_path / "ep.toml", '[distributed]\nexpert_amax_group = "none"\n'))
-    assert config.distributed.expert_amax_group == "none" and config.distributed.amax_group == "world"
+    assert config.distributed.expert_amax_group == "none" and config.distributed.amax_group == "auto"
     assert load_config(write(tmp_path / "d.toml", "")).distributed.expert_amax_group == "same"
     message = error_for('[distributed]\nexpert_amax_group = "experts"\n')
     assert message == ("bad.toml: distributed.expert_amax_group: unknown amax group 'experts'; allowed: "
-                       "['same', 'world', 'none'] (or, from Python, a ProcessGroup or a 1-D DeviceMesh)")
+                       "['same', 'auto', 'world', 'none'], a list of mesh dim names, or from Python a "
+                       "ProcessGroup or a DeviceMesh")
 
 
 def test_error_bad_compiler(error_for):

@@ -382,7 +382,7 @@ def test_tp_compiled_matches_one_process(tp_results, case):
         elif recipe == "MXFP8BlockScaling":
             assert set(texts.values()) == {"none needed: per-block scales"}
         else:
-            assert set(texts.values()) == {"amax history all-reduce over world (2 ranks), one per graph and step"}
+            assert set(texts.values()) == {"amax history all-reduce over tp (2 ranks), one per graph and step"}
 
 
 def test_tp_collectives_are_graph_nodes(tp_results):
@@ -479,11 +479,11 @@ def _hand_worker(rank: int) -> dict:
     ref._orig_mod.load_state_dict(full.state_dict())
     out["results"], out["ref"] = results, ref(x).detach()
 
-    # errors at compile: a group this rank is not in, a 2-D mesh
+    # errors at compile: a group this rank is not in, a mesh with a pipeline dim
     errors = {}
     other = dist.new_group([1 - rank])
-    mesh_2d = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("dp", "tp"))
-    for name, group in (("not a member", other), ("2-D mesh", mesh_2d)):
+    mesh_2d = init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("pp", "dp"))
+    for name, group in (("not a member", other), ("pipeline mesh", mesh_2d)):
         torch._dynamo.reset()
         try:
             torch.compile(MLP(), backend="te", options={"compiler": "aot_eager", "amax_group": group})(x)
@@ -531,7 +531,8 @@ def test_hand_sharded_modules_reduce_amaxes(hand_results):
 def test_amax_group_errors_at_compile(hand_results):
     for rank, r in enumerate(hand_results):
         assert "is not a member" in r["errors"]["not a member"] and f"global rank {rank}" in r["errors"]["not a member"]
-        assert "must be 1-D" in r["errors"]["2-D mesh"] and "mesh['dp']" in r["errors"]["2-D mesh"]
+        assert r["errors"]["pipeline mesh"].startswith("options: distributed.amax_group: the mesh's dim 'pp' is a "
+                                                       "pipeline dim"), r["errors"]["pipeline mesh"]
         assert r["errors"]["mesh mismatch"].startswith("blocks.0.up: the input lives on mesh")
         assert "DTensor cannot mix them" in r["errors"]["mixed"]
 
@@ -546,15 +547,23 @@ def test_distributed_config_from_toml_tables():
     assert cfg.distributed.sharded("layers.3.mlp.up") and not cfg.distributed.sharded("lm_head")
     assert config_from_dict({"amax_group": "none"}, "options").distributed.amax_group == "none"
     assert config_from_dict({}, "f").distributed == DistributedConfig()
+    dims = config_from_dict({"distributed": {"amax_group": ["dp_replicate", "dp_shard"], "pipeline_dims": ["stage"]}}, "f")
+    assert dims.distributed.amax_group == ("dp_replicate", "dp_shard")
+    assert dims.distributed.pipeline_dims == ("stage",) and DistributedConfig().amax_group == "auto"
 
 
 @pytest.mark.parametrize("table, key, words", [
-    ({"distributed": {"amax_group": "tp"}}, "distributed.amax_group", "allowed: ['world', 'none']"),
+    ({"distributed": {"amax_group": "tp"}}, "distributed.amax_group", "allowed: ['auto', 'world', 'none'], a list of "
+                                                                     "mesh dim names"),
+    ({"distributed": {"amax_group": ["dp", "dp"]}}, "distributed.amax_group", "mesh dim names repeat in ['dp', 'dp']"),
+    ({"distributed": {"amax_group": ["dp", 3]}}, "distributed.amax_group", "must be non-empty strings"),
+    ({"distributed": {"pipeline_dims": "pp"}}, "distributed.pipeline_dims", "an array of mesh dim names"),
+    ({"distributed": {"mesh": "dp"}}, "distributed.mesh", "expected a DeviceMesh"),
     ({"distributed": {"group": "world"}}, "distributed.group",
-     "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules']"),
+     "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules', 'mesh', 'pipeline_dims']"),
     ({"distributed": {"sharded_modules": "up"}}, "distributed.sharded_modules", "array of module globs"),
     ({"distributed": {"sharded_modules": ["up["]}}, "distributed.sharded_modules[0]", "without a closing"),
-    ({"amax_group": 3}, "amax_group", "a ProcessGroup or a 1-D DeviceMesh"),
+    ({"amax_group": 3}, "amax_group", "a ProcessGroup or a DeviceMesh, got 3 (int)"),
 ])
 def test_distributed_config_errors_name_the_key(table, key, words):
     with pytest.raises(ConfigError) as info:

@@ -80,3 +80,39 @@ def finish(model: torch.nn.Module, rank: int) -> None:
     ok = check_state_identical(model, rank)
     dist.destroy_process_group()
     sys.exit(0 if ok else 1)
+
+
+class _AllGathers:
+    """What this rank hands to FSDP2's all-gathers (``dist.all_gather_single``), in bytes and in
+    elements, so that FP8 (1 byte) can be set against high precision (4 bytes in fp32)."""
+
+    def __init__(self) -> None:
+        self.bytes, self.elements = 0, 0
+        self.real = dist.all_gather_single
+        dist.all_gather_single = self._count
+
+    def _count(self, output, input, *args, **kwargs):
+        self.bytes += input.numel() * input.element_size()
+        self.elements += input.numel()
+        return self.real(output, input, *args, **kwargs)
+
+    def print(self, steps: int, world: int) -> None:
+        fp32 = 4 * self.elements
+        print(f"all-gather: {self.bytes / steps / 2**20:.3f} MiB per step from each of {world} ranks; the same "
+              f"shards in fp32 would be {fp32 / steps / 2**20:.3f} MiB ({self.bytes / fp32:.2f}x)")
+
+
+def count_all_gathers() -> _AllGathers:
+    return _AllGathers()
+
+
+def print_amax_groups() -> None:
+    """The report's collectives column, tallied: how many sites reduce their amaxes over which group."""
+    tally: dict[str, int] = {}
+    for site in te_compile.report().sites:
+        if site.rewritten and site.op in ("linear", "grouped_linear", "sdpa"):
+            key = site.collectives or "none (each rank scales its own data)"
+            tally[key] = tally.get(key, 0) + 1
+    print("amax reductions in the compiled graphs:")
+    for what, sites in sorted(tally.items()):
+        print(f"  {sites:3d} sites: {what}")

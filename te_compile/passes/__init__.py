@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..config import ConfigError, TeConfig
-from ..distributed import resolve_amax_group
+from ..distributed import graph_mesh, resolve_amax_group
 from ..report import SiteRecord
 from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
@@ -65,12 +65,18 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                graph_id: int = 0) -> PassResult:
     """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
     seen and the extra inputs the rewritten graph takes."""
-    try:
-        amax_group = resolve_amax_group(config.distributed.amax_group)
-        experts = config.distributed.expert_amax_group
-        expert_group = amax_group if isinstance(experts, str) and experts == "same" else resolve_amax_group(experts)
-    except ValueError as e:
-        raise ConfigError(f"{config.source}: distributed.{e}") from None
+    setting = config.distributed
+    mesh = setting.mesh if setting.mesh is not None else graph_mesh(example_inputs)
+
+    def resolve(key: str):
+        try:
+            return resolve_amax_group(getattr(setting, key), mesh, setting.pipeline_dims)
+        except ValueError as e:   # "amax_group: <problem>"
+            raise ConfigError(f"{config.source}: distributed.{key}:{str(e).partition(':')[2]}") from None
+
+    amax_group = resolve("amax_group")
+    same = isinstance(setting.expert_amax_group, str) and setting.expert_amax_group == "same"
+    expert_group = amax_group if same else resolve("expert_amax_group")
     scopes = graph_scopes(gm, example_inputs)
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)

@@ -39,6 +39,20 @@ def shape_str(site: LinearSite) -> str:
     return " ".join(parts)
 
 
+def _cut(site: LinearSite, name: str) -> str:
+    """For a DTensor weight whose shard is misaligned: which mesh dim cut the whole dim, else ""."""
+    w = value_of(site.weight)
+    if not is_dtensor(w):
+        return ""
+    dim = (0 if name.startswith("in") else 1) if site.weight_in_out else (1 if name.startswith("in") else 0)
+    cuts = [f"{w.device_mesh.mesh_dim_names[i] if w.device_mesh.mesh_dim_names else f'mesh dim {i}'} "
+            f"({w.device_mesh.size(i)} ranks)" for i, p in enumerate(w.placements) if p.is_shard(dim)]
+    if not cuts:
+        return ""
+    return (f"; the whole weight's {name.split()[0]} is {w.shape[dim]}, which the tensor-parallel plan splits "
+            f"over {', '.join(cuts)}: each rank holds only its shard, so keep every shard a whole number of blocks")
+
+
 def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     # DTensor operands run shard by shard: judge the local shards (a column-parallel N is N / tp)
     x, w = local_value(value_of(site.x)), local_value(value_of(site.weight))
@@ -60,7 +74,7 @@ def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
     align = recipe.gemm_alignment
     for name, dim in (("in_features (K)", k), ("out_features (N)", n)):
         if not divisible(dim, align):
-            return f"{name}={dim} is not divisible by {align} ({recipe.gemm_alignment_reason})"
+            return f"{name}={dim} is not divisible by {align} ({recipe.gemm_alignment_reason}){_cut(site, name)}"
     if site.expert is not None and is_dtensor(value_of(site.weight)):
         return (f"one expert's matrix of the sharded (DTensor) parameter {site.param.name} is not lowered yet "
                 f"(index its to_local() shard, as torchtitan's experts do)")

@@ -53,6 +53,9 @@ def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple,
         groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
         text = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step" if groups else ""
         return plain, groups, text
+    if w is not None and weight_is_operand(local_value(w), recipe):
+        # FSDP2's FP8 all-gather brings the bytes with the whole weight's scale: no reduction here
+        roles = (roles[0], (), roles[2])
     if not any(roles):
         return plain, (), ""
     if recipe.per_block_scales:

@@ -1,0 +1,352 @@
+"""Multi-dimensional meshes: FSDP2 + tensor parallel and HSDP on 2 x 2 CPU gloo ranks.
+
+One spawned world of 4 ranks (one thread each, aot_eager) runs every case; the test process asserts
+on what the ranks saved. Each case trains a torchtitan-style model (TP plan first, then fully_shard
+per block and on the root, FP8 all-gather on) for 3 steps and, on every rank, the same model in one
+process on the same global batch:
+- DelayedScaling: the whole global batch at once. Its scales come from amaxes reduced over all 4
+  ranks, which equal one process's, so the two runs quantize alike.
+- Float8CurrentScaling and MXFP8: one micro-batch per data-parallel rank (gradients accumulated),
+  since each data-parallel rank scales its own activations (a scale per tensor, or MXFP8's 32-token
+  blocks of the wgrad copies), as TransformerEngine and torchao do; the weights' scales are those of
+  the whole weight on every rank.
+Local losses are sums over the global element count and FSDP's gradient divide factor is 1, so each
+rank's gradients (and DelayedScaling's grad_output amaxes) are those of the one-process run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+import te_compile
+from te_compile.config import ConfigError
+from utils import run_ranks
+
+pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+WORLD = 4
+STEPS = 3
+D, HIDDEN = 32, 64
+BATCH = (8, 4, D)   # the global batch
+RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
+LAYOUTS = ("fsdp_tp", "hsdp")
+FUNCOL_ALL_REDUCE = "_c10d_functional::all_reduce"
+
+
+class FeedForward(nn.Module):
+    """torchtitan's layer names and layout (no biases); the TP plan makes w1 column- and w2 row-parallel."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(D, HIDDEN, bias=False)
+        self.w2 = nn.Linear(HIDDEN, D, bias=False)
+
+    def forward(self, x):
+        return x + self.w2(torch.relu(self.w1(x)))
+
+
+class Output(nn.Module):
+    """The output layer, a module of its own so that it compiles on its own (Dynamo does not trace a
+    bare nn.Linear's compiled call: torch's own frames are skipped)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(D, D, bias=False)   # left whole by the TP plan: sharded on dp only
+
+    def forward(self, x):
+        return self.proj(x)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([FeedForward(), FeedForward()])
+        self.output = Output()
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return self.output(x)
+
+
+def _options(recipe: str) -> dict:
+    return {"recipe": recipe, "compiler": "aot_eager", **({"amax_history_len": 4} if recipe == "DelayedScaling" else {})}
+
+
+def _global_batch(step: int) -> torch.Tensor:
+    return torch.randn(*BATCH, generator=torch.Generator().manual_seed(step))
+
+
+def _loss(y: torch.Tensor) -> torch.Tensor:
+    return y.pow(2).sum() / (BATCH[0] * BATCH[1] * D)
+
+
+def _reference(recipe: str, init: dict, micro_batches: int) -> tuple[list, dict]:
+    torch._dynamo.reset()
+    model = Net()
+    model.load_state_dict(init)
+    compiled = torch.compile(model, backend="te", options={**_options(recipe), "amax_group": "none"})
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses = []
+    for step in range(STEPS):
+        total = 0.0
+        for x in _global_batch(step).chunk(micro_batches):
+            loss = _loss(compiled(x))
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    state = {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+    return losses, state
+
+
+def _parallel_model(layout: str, recipe: str, init: dict):
+    """(model, dp group, dp rank, dp size, FP8 all-gather outcome)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    model = Net()
+    model.load_state_dict(init)
+    if layout == "fsdp_tp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fsdp_mesh = dp = mesh["dp_shard"]
+    else:
+        mesh = fsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
+        dp = mesh._flatten()
+    outcome = te_compile.enable_fp8_all_gather(model, **_options(recipe))
+    for layer in model.layers:
+        fully_shard(layer, mesh=fsdp_mesh)
+    fully_shard(model, mesh=fsdp_mesh)
+    for module in model.modules():
+        if hasattr(module, "set_gradient_divide_factor"):
+            module.set_gradient_divide_factor(1.0)   # local losses are already shares of the global one
+            module.set_force_sum_reduction_for_comms(True)   # gloo has no PREMUL_SUM
+    # per module, as torchtitan compiles its blocks: Dynamo breaks the root's graph at FSDP2's hooks.
+    # FSDP + TP: the graphs of the TP'd layers find the mesh in their DTensors ("auto" reduces over
+    # dp_shard x tp), the output layer's graph has none ("auto" is the world, the same ranks); HSDP names
+    # the mesh in the options, as a model without DTensors must for "auto" to follow it
+    options = {**_options(recipe), **({"mesh": mesh} if layout == "hsdp" else {})}
+    for module in (*model.layers, model.output):
+        module.compile(backend="te", options=options)
+    return model, dp.get_group(), dp.get_local_rank(), dp.size(), outcome
+
+
+def _train(layout: str, recipe: str, init: dict) -> dict:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    model, dp_group, dp_rank, dp_size, outcome = _parallel_model(layout, recipe, init)
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    gathered = []   # (bytes this rank sends, dtype) per FSDP all-gather
+
+    def counting(output, input, *args, **kwargs):
+        gathered.append((input.numel() * input.element_size(), input.dtype))
+        return all_gather_single(output, input, *args, **kwargs)
+
+    all_gather_single = dist.all_gather_single
+    dist.all_gather_single = counting
+    losses, step_bytes, all_reduces = [], [], None
+    try:
+        for step in range(STEPS):
+            gathered.clear()
+
+            def train_step():
+                loss = _loss(model(_global_batch(step).chunk(dp_size)[dp_rank]))
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                return loss
+
+            if step == STEPS - 1:
+                with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+                    loss = train_step()
+                # amax buffers are 1-D; DTensor's own all-reduces (a row-parallel output, a column-
+                # parallel input gradient) move [batch, seq, dim] activations
+                all_reduces = sum(1 for e in prof.events() if e.name == FUNCOL_ALL_REDUCE
+                                  and len(e.input_shapes[0]) == 1)
+            else:
+                loss = train_step()
+            total = loss.detach().clone()
+            dist.all_reduce(total, group=dp_group)
+            losses.append(total.item())
+            step_bytes.append((sum(b for b, _ in gathered), sorted({str(d) for _, d in gathered})))
+    finally:
+        dist.all_gather_single = all_gather_single
+    state = {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+    # what one all-gather of every sharded weight moves per rank, in elements: the blocks are gathered
+    # in forward and again in backward, the root's weight once (it stays unsharded until backward ends)
+    layer_elems = sum(p._local_tensor.numel() for layer in model.layers for p in layer.parameters())
+    root_elems = model.output.proj.weight._local_tensor.numel()
+    sites = [(s.graph, s.fqn, s.op, s.rewritten, s.reason, s.collectives) for s in te_compile.report().sites]
+    return dict(losses=losses, step_bytes=step_bytes, all_reduces=all_reduces, state=state, outcome=outcome,
+                gather_elems=2 * layer_elems + root_elems, sites=sites,
+                refreshes=model._te_fp8_all_gather.refreshes)
+
+
+def _errors(rank: int) -> dict:
+    """Config errors at compile on a 3-D (pp, dp, tp) mesh, what "auto" resolves to there, and a TP
+    plan that cuts MXFP8's blocks."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    x = torch.randn(2, 4, D)
+    out = {}
+    for name, group in (("unknown dim", ["dp", "ep"]), ("pipeline dim", ["pp", "dp"]), ("auto", "auto")):
+        torch._dynamo.reset()
+        te_compile.reset()
+        model = nn.Sequential(nn.Linear(D, D), nn.ReLU(), nn.Linear(D, D))
+        options = {**_options("DelayedScaling"), "amax_group": group, "mesh": mesh}
+        try:
+            model = torch.compile(model, backend="te", options=options)
+            model(x).sum().backward()
+            out[name] = [s.collectives for s in te_compile.report().sites if s.op == "linear"]
+        except ConfigError as e:
+            out[name] = str(e)
+    torch._dynamo.reset()
+    te_compile.reset()
+    cut = parallelize_module(nn.Sequential(nn.Linear(96, 64, bias=False)), mesh["tp"], {"0": RowwiseParallel()})
+    torch.compile(cut, backend="te", options=_options("MXFP8BlockScaling"))(torch.randn(2, 32, 48))   # its K shard
+    out["cut"] = [(s.rewritten, s.reason) for s in te_compile.report().sites if s.op == "linear"]
+    return out
+
+
+def _worker(rank: int) -> dict:
+    torch.manual_seed(0)
+    init = Net().state_dict()
+    out = {"errors": _errors(rank)}
+    for recipe in RECIPES:
+        for layout in LAYOUTS:
+            out[(layout, recipe)] = _train(layout, recipe, init)
+        # one process, on every rank alike
+        micro = {"DelayedScaling": (1,), "Float8CurrentScaling": (2, 4), "MXFP8BlockScaling": (2, 4)}[recipe]
+        for m in micro:
+            out[("reference", recipe, m)] = _reference(recipe, init, m)
+    return out
+
+
+@pytest.fixture(scope="module")
+def nd(tmp_path_factory):
+    return run_ranks(_worker, tmp_path_factory.mktemp("nd"), world=WORLD)
+
+
+def _ref(nd, layout: str, recipe: str):
+    micro = 1 if recipe == "DelayedScaling" else (2 if layout == "fsdp_tp" else 4)
+    return nd[0][("reference", recipe, micro)]
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_losses_match_one_process(nd, layout, recipe):
+    ref_losses, _ = _ref(nd, layout, recipe)
+    for rank in nd:
+        got = rank[(layout, recipe)]["losses"]
+        assert got == pytest.approx(ref_losses, rel=1e-6), (got, ref_losses)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_delayed_scaling_state_identical_on_every_rank_and_equal_to_one_process(nd, layout):
+    states = [rank[(layout, "DelayedScaling")]["state"] for rank in nd]
+    _, ref_state = _ref(nd, layout, "DelayedScaling")
+    assert len(states[0]) == 5 * 3 * 2   # 5 linears x 3 roles x (history, scale)
+    for r, state in enumerate(states[1:], 1):
+        differ = [k for k in state if not torch.equal(state[k], states[0][k])]
+        assert not differ, f"rank {r} keeps other state than rank 0 under {layout}: {differ}"
+    assert states[0].keys() == ref_state.keys()
+    for key in ref_state:
+        torch.testing.assert_close(states[0][key], ref_state[key], rtol=1e-5, atol=0, msg=lambda m: f"{key}: {m}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_all_gather_bytes(nd, layout, recipe):
+    for rank in nd:
+        r = rank[(layout, recipe)]
+        if recipe == "MXFP8BlockScaling":
+            # the shards are not whole 32-row blocks over the world's 4 ranks: high-precision gathers
+            assert all("do not split into whole 32-row blocks" in why for why in r["outcome"].values()), r["outcome"]
+            expected, dtypes = 4 * r["gather_elems"], ["torch.float32"]
+        else:
+            assert set(r["outcome"].values()) == {"FP8 all-gather"}, r["outcome"]
+            expected, dtypes = r["gather_elems"], ["torch.uint8"]   # 1 byte per element on the wire
+        assert r["step_bytes"] == [(expected, dtypes)] * STEPS
+
+
+EXPECTED_COLLECTIVES = {
+    # current scaling: column-parallel w1 reduces its grad_output amax over tp, row-parallel w2 its input
+    # amax; their weights arrive in FP8 with the whole weight's scale (FSDP's all-gather), the output
+    # layer (whole on every TP rank, plain data parallel) needs none
+    ("fsdp_tp", "Float8CurrentScaling"): {"layers.0.w1": "amax all-reduce over tp (2 ranks): grad_output",
+                                          "layers.0.w2": "amax all-reduce over tp (2 ranks): input",
+                                          "output.proj": ""},
+    ("hsdp", "Float8CurrentScaling"): {"layers.0.w1": "", "layers.0.w2": "", "output.proj": ""},
+    # delayed scaling, "auto": every dim of the mesh, as one flattened group
+    ("fsdp_tp", "DelayedScaling"): {
+        "layers.0.w1": "amax history all-reduce over dp_shard_tp (4 ranks), one per graph and step",
+        "layers.0.w2": "amax history all-reduce over dp_shard_tp (4 ranks), one per graph and step",
+        "output.proj": "amax history all-reduce over world (4 ranks), one per graph and step"},
+    ("hsdp", "DelayedScaling"): dict.fromkeys(
+        ("layers.0.w1", "layers.0.w2", "output.proj"),
+        "amax history all-reduce over dp_replicate_dp_shard (4 ranks), one per graph and step"),
+    ("fsdp_tp", "MXFP8BlockScaling"): {"layers.0.w1": "none needed: per-block scales",
+                                       "layers.0.w2": "none needed: per-block scales", "output.proj": ""},
+    ("hsdp", "MXFP8BlockScaling"): {"layers.0.w1": "", "layers.0.w2": "", "output.proj": ""},
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_report_names_the_group_of_every_amax(nd, layout, recipe):
+    for rank in nd:
+        rows = {fqn: (rewritten, collectives) for _, fqn, op, rewritten, _, collectives in rank[(layout, recipe)]["sites"]
+                if op == "linear"}
+        assert all(rewritten for rewritten, _ in rows.values()), rows
+        got = {fqn: c for fqn, (_, c) in rows.items() if fqn in EXPECTED_COLLECTIVES[(layout, recipe)]}
+        assert got == EXPECTED_COLLECTIVES[(layout, recipe)]
+
+
+def test_amax_all_reduces_per_step(nd):
+    for rank in nd:
+        for layout, refresh in (("fsdp_tp", 2), ("hsdp", 1)):
+            # the FP8 all-gather refreshes the whole weights' amaxes once per step: one all-reduce under
+            # HSDP (every weight split on dp_shard), two under FSDP + TP (the TP'd weights over
+            # dp_shard x tp, the output layer's over dp_shard alone)
+            ds = rank[(layout, "DelayedScaling")]
+            graphs = {g for g, _, op, rewritten, _, _ in ds["sites"] if op == "linear" and rewritten}
+            assert len(graphs) == 3 and ds["refreshes"] == STEPS
+            # delayed scaling: one coalesced all-reduce per graph and step
+            assert ds["all_reduces"] == len(graphs) + refresh, (layout, ds["all_reduces"])
+            # current scaling: a TP'd layer's graph reduces w2's input amax in forward and w1's
+            # grad_output amax in backward; nothing else is split
+            cs = rank[(layout, "Float8CurrentScaling")]
+            assert cs["all_reduces"] == (2 * 2 if layout == "fsdp_tp" else 0) + refresh, (layout, cs["all_reduces"])
+            assert rank[(layout, "MXFP8BlockScaling")]["all_reduces"] == 0
+
+
+def test_mesh_errors_name_the_dim(nd):
+    for rank in nd:
+        errors = rank["errors"]
+        assert errors["unknown dim"].startswith("options: distributed.amax_group: the mesh has no dim 'ep'; its dims "
+                                                "are ['pp', 'dp', 'tp'] (shape (1, 2, 2))\n")
+        assert errors["pipeline dim"].startswith("options: distributed.amax_group: 'pp' is a pipeline dim "
+                                                 "(distributed.pipeline_dims = ['pp'])")
+        # "auto" leaves the pipeline dim out: one group over dp x tp
+        assert errors["auto"] == ["amax history all-reduce over dp_tp (4 ranks), one per graph and step"] * 2
+
+
+def test_tp_plan_cutting_mxfp8_blocks_stays_high_precision_with_the_reason(nd):
+    for rank in nd:
+        [(rewritten, reason)] = rank["errors"]["cut"]
+        assert not rewritten
+        assert reason.startswith("in_features (K)=48 is not divisible by 32 (MXFP8 scales blocks of 32 along K and "
+                                 "N); the whole weight's in_features is 96, which the tensor-parallel plan splits "
+                                 "over tp (2 ranks)"), reason
