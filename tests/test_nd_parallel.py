@@ -85,14 +85,19 @@ def _loss(y: torch.Tensor) -> torch.Tensor:
     return y.pow(2).sum() / (BATCH[0] * BATCH[1] * D)
 
 
-def _reference(recipe: str, init: dict, micro_batches: int) -> tuple[list, dict]:
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.5)
+
+
+def _reference(recipe: str, init: dict, micro_batches: int, steps: int = STEPS) -> tuple[list, dict]:
+    """One process: the losses of ``steps`` steps and the recipe state after STEPS of them."""
     torch._dynamo.reset()
     model = Net()
     model.load_state_dict(init)
     compiled = torch.compile(model, backend="te", options={**_options(recipe), "amax_group": "none"})
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = _optimizer(model)
     losses = []
-    for step in range(STEPS):
+    for step in range(steps):
         total = 0.0
         for x in _global_batch(step).chunk(micro_batches):
             loss = _loss(compiled(x))
@@ -101,7 +106,8 @@ def _reference(recipe: str, init: dict, micro_batches: int) -> tuple[list, dict]
         opt.step()
         opt.zero_grad()
         losses.append(total)
-    state = {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+        if step == STEPS - 1:
+            state = {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
     return losses, state
 
 
@@ -113,7 +119,9 @@ def _parallel_model(layout: str, recipe: str, init: dict):
 
     model = Net()
     model.load_state_dict(init)
-    if layout == "fsdp_tp":
+    if layout == "fsdp":   # 4 x 1: FSDP alone, the shape a 2 x 2 checkpoint is resharded to
+        mesh = fsdp_mesh = dp = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("dp_shard",))
+    elif layout == "fsdp_tp":
         mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
@@ -139,13 +147,53 @@ def _parallel_model(layout: str, recipe: str, init: dict):
     return model, dp.get_group(), dp.get_local_rank(), dp.size(), outcome
 
 
-def _train(layout: str, recipe: str, init: dict) -> dict:
+def _train_step(model, opt, step: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+    loss = _loss(model(_global_batch(step).chunk(dp_size)[dp_rank]))
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+    return loss
+
+
+def _save(model, opt, checkpoint: str) -> None:
+    """Model, optimizer and recipe state through torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_state, optim_state = get_state_dict(model, opt)
+    dcp.save({"model": model_state, "optim": optim_state, "recipe": te_compile.recipe_state_dict(model)},
+             checkpoint_id=checkpoint)
+
+
+def _resume(checkpoint: str, recipe_keys: dict) -> float:
+    """A 2 x 2 FSDP + TP checkpoint loaded into FSDP over 4 ranks (other initial weights): the loss of
+    its next step."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(123)
+    model, dp_group, dp_rank, dp_size, _ = _parallel_model("fsdp", "DelayedScaling", Net().state_dict())
+    opt = _optimizer(model)
+    model_state, optim_state = get_state_dict(model, opt)
+    state = {"model": model_state, "optim": optim_state,
+             "recipe": {k: torch.empty_like(v) for k, v in recipe_keys.items()}}   # shapes only
+    dcp.load(state, checkpoint_id=checkpoint)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    te_compile.load_recipe_state_dict(model, state["recipe"])
+    loss = _train_step(model, opt, STEPS, dp_rank, dp_size).detach().clone()
+    dist.all_reduce(loss, group=dp_group)
+    return loss.item()
+
+
+def _train(layout: str, recipe: str, init: dict, checkpoint: str = "") -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     torch._dynamo.reset()
     te_compile.reset()
     model, dp_group, dp_rank, dp_size, outcome = _parallel_model(layout, recipe, init)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    opt = _optimizer(model)
     gathered = []   # (bytes this rank sends, dtype) per FSDP all-gather
 
     def counting(output, input, *args, **kwargs):
@@ -160,11 +208,7 @@ def _train(layout: str, recipe: str, init: dict) -> dict:
             gathered.clear()
 
             def train_step():
-                loss = _loss(model(_global_batch(step).chunk(dp_size)[dp_rank]))
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                return loss
+                return _train_step(model, opt, step, dp_rank, dp_size)
 
             if step == STEPS - 1:
                 with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
@@ -182,6 +226,8 @@ def _train(layout: str, recipe: str, init: dict) -> dict:
     finally:
         dist.all_gather_single = all_gather_single
     state = {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+    if checkpoint:
+        _save(model, opt, checkpoint)
     # what one all-gather of every sharded weight moves per rank, in elements: the blocks are gathered
     # in forward and again in backward, the root's weight once (it stays unsharded until backward ends)
     layer_elems = sum(p._local_tensor.numel() for layer in model.layers for p in layer.parameters())
@@ -220,23 +266,26 @@ def _errors(rank: int) -> dict:
     return out
 
 
-def _worker(rank: int) -> dict:
+def _worker(rank: int, checkpoint: str) -> dict:
     torch.manual_seed(0)
     init = Net().state_dict()
     out = {"errors": _errors(rank)}
     for recipe in RECIPES:
         for layout in LAYOUTS:
-            out[(layout, recipe)] = _train(layout, recipe, init)
-        # one process, on every rank alike
+            saving = layout == "fsdp_tp" and recipe == "DelayedScaling"
+            out[(layout, recipe)] = _train(layout, recipe, init, checkpoint if saving else "")
+        # one process, on every rank alike (delayed scaling: a step more, to compare with the resumed run)
         micro = {"DelayedScaling": (1,), "Float8CurrentScaling": (2, 4), "MXFP8BlockScaling": (2, 4)}[recipe]
         for m in micro:
-            out[("reference", recipe, m)] = _reference(recipe, init, m)
+            out[("reference", recipe, m)] = _reference(recipe, init, m, STEPS + (recipe == "DelayedScaling"))
+    out["resumed"] = _resume(checkpoint, out[("fsdp_tp", "DelayedScaling")]["state"])
     return out
 
 
 @pytest.fixture(scope="module")
 def nd(tmp_path_factory):
-    return run_ranks(_worker, tmp_path_factory.mktemp("nd"), world=WORLD)
+    tmp = tmp_path_factory.mktemp("nd")
+    return run_ranks(_worker, tmp, str(tmp / "checkpoint"), world=WORLD)
 
 
 def _ref(nd, layout: str, recipe: str):
@@ -250,7 +299,17 @@ def test_losses_match_one_process(nd, layout, recipe):
     ref_losses, _ = _ref(nd, layout, recipe)
     for rank in nd:
         got = rank[(layout, recipe)]["losses"]
-        assert got == pytest.approx(ref_losses, rel=1e-6), (got, ref_losses)
+        assert got == pytest.approx(ref_losses[:STEPS], rel=1e-6), (got, ref_losses)
+
+
+def test_checkpoint_of_a_2x2_mesh_resumes_on_4x1_with_the_same_loss(nd):
+    """torch.distributed.checkpoint of model, optimizer (momentum) and recipe state from FSDP + TP on
+    2 x 2, loaded into FSDP over 4 ranks built from other initial weights: its next step's loss is the
+    one-process run's (which never stopped)."""
+    ref_losses, _ = _ref(nd, "fsdp_tp", "DelayedScaling")
+    assert len(ref_losses) == STEPS + 1
+    for rank in nd:
+        assert rank["resumed"] == pytest.approx(ref_losses[STEPS], rel=1e-6), (rank["resumed"], ref_losses)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -126,7 +126,7 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
             if site.expert is not None:
                 extra = _expert_inputs(site, extra)
         why += ctx.local_shard_note(site.param)
-        weight_value = site.weight.meta.get("example_value")
+        weight_value = local_value(site.weight.meta.get("example_value"))   # a DTensor's: its TP shard
         if isinstance(weight_value, QuantizedTensor):
             # FSDP2's FP8 all-gather (te_compile.fsdp) or an FP8 primary weight (primary_weights.py)
             why += ("; weight already quantized, used as is" if weight_is_operand(weight_value, recipe)
