@@ -10,6 +10,7 @@ from .backend import backend
 from .config import ConfigError, TeConfig, load_config
 from .report import Report, SiteRecord, report, reset
 from .state import load_recipe_state_dict, recipe_state_dict
+from .lowerings.delayed_state import advance_delayed_state
 from .fsdp import enable_fp8_all_gather
 from .primary_weights import quantized_model_init
 from .hardware import (
@@ -51,6 +52,8 @@ __all__ = [
     "SiteRecord",
     "recipe_state_dict",
     "load_recipe_state_dict",
+    # DelayedScaling with update_on = "optimizer_step": runs after every torch.optim step by itself
+    "advance_delayed_state",
     # FSDP2: all-gather the weights of FP8 linears as FP8 (call before fully_shard)
     "enable_fp8_all_gather",
     # FP8 primary weights: nn.Linear weights built quantized (te_compile.tensor.utils has the

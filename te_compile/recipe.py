@@ -242,9 +242,15 @@ class DelayedScaling(Recipe):
     # all-reduce (MAX) the amaxes over the data-parallel group once per step
     reduce_amax: bool = True
     fp8_activation_input: bool = field(default=False, kw_only=True)   # see Float8CurrentScaling
+    # when the histories and scales advance: "backward", at the end of each compiled graph's backward
+    # (one step = one backward); "optimizer_step", once per torch.optim step, with the max of every
+    # backward since the last one (micro-batches of gradient accumulation and pipeline schedules,
+    # whose backwards interleave with other micro-batches' forwards and must all see one scale)
+    update_on: str = field(default="backward", kw_only=True)
 
     def __post_init__(self):
         n = self.name
+        _check_choice(n, "update_on", self.update_on, ("backward", "optimizer_step"))
         _check_type(n, "margin", self.margin, (int,), "a non-negative int")
         if self.margin < 0:
             raise ValueError(f"{n}.margin must be a non-negative int, got {self.margin!r}")

@@ -397,3 +397,68 @@ def test_one_multi_tensor_update_per_graph_and_the_callable_rule_agrees(monkeypa
     assert sorted(callable_state) == sorted(state)
     for key, value in state.items():
         assert_bitwise_equal(callable_state[key], value, key)
+
+
+class _TwoLayers(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.down = nn.Linear(64, 32)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+def _accumulating_run(update_on: str, micro_batches: int, init: dict) -> tuple[list, dict, list]:
+    """3 SGD steps on one global batch each, in ``micro_batches`` backwards per step; the state after
+    every backward too."""
+    torch._dynamo.reset()
+    model = _TwoLayers()
+    model.load_state_dict(init)
+    compiled = torch.compile(model, backend="te", options={
+        "compiler": "aot_eager", "recipe": "DelayedScaling",
+        "recipe_options": {"amax_history_len": 4, "update_on": update_on}})
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, after_backward = [], []
+    for step in range(3):
+        x = torch.randn(8, 4, 32, generator=torch.Generator().manual_seed(step))
+        total = 0.0
+        for part in x.chunk(micro_batches):
+            loss = compiled(part).pow(2).sum() / x.numel()   # a share of the global batch's loss
+            loss.backward()
+            total += loss.item()
+            after_backward.append(te_compile.recipe_state_dict(model))
+        opt.step()
+        opt.zero_grad()
+        losses.append(total)
+    return losses, te_compile.recipe_state_dict(model), after_backward
+
+
+def test_update_on_optimizer_step_advances_once_per_step_with_the_max_of_every_micro_batch():
+    """Gradient accumulation over 2 micro-batches with update_on = "optimizer_step" keeps the very
+    state of one backward on the whole batch per step (the max of the micro-batches' amaxes is the
+    batch's), and nothing moves between the micro-batches; the default advances per backward."""
+    torch.manual_seed(0)
+    init = _TwoLayers().state_dict()
+    whole_losses, whole_state, _ = _accumulating_run("backward", 1, init)
+    losses, state, after_backward = _accumulating_run("optimizer_step", 2, init)
+    assert state.keys() == whole_state.keys() and len(state) == 12
+    for key in state:
+        assert_bitwise_equal(state[key], whole_state[key], key)
+    assert losses == pytest.approx(whole_losses, rel=1e-6)
+    # within a step the state stays as the last optimizer step left it
+    for step in range(3):
+        first, second = after_backward[2 * step], after_backward[2 * step + 1]
+        assert all(torch.equal(first[k], second[k]) for k in first), f"step {step}: advanced between micro-batches"
+    # per backward, the same accumulation advances twice per step
+    _, per_backward, _ = _accumulating_run("backward", 2, init)
+    assert not torch.equal(per_backward["up.input.amax_history"], whole_state["up.input.amax_history"])
+    # a second optimizer (or a step without a backward) finds nothing to fold
+    assert te_compile.advance_delayed_state() == 0
+    [row] = {s.collectives for s in te_compile.report().sites if s.op == "linear"}
+    assert row == ""   # one process: nothing to reduce
+
+
+def test_update_on_names_the_allowed_values():
+    with pytest.raises(ValueError, match=r"DelayedScaling.update_on must be one of \['backward', 'optimizer_step'\], got 'step'"):
+        DelayedScaling(update_on="step")

@@ -238,6 +238,68 @@ def _train(layout: str, recipe: str, init: dict, checkpoint: str = "") -> dict:
                 refreshes=model._te_fp8_all_gather.refreshes)
 
 
+SCHEDULES = (("DelayedScaling", "GPipe"), ("Float8CurrentScaling", "1F1B"), ("DelayedScaling", "1F1B"),
+             ("MXFP8BlockScaling", "1F1B"))
+MICRO_BATCHES = 2
+
+
+def _pipeline(recipe: str, schedule_name: str, init: dict) -> dict:
+    """A (pp, dp) = 2 x 2 mesh: stage 0 is layer 0, stage 1 layer 1 and the output layer, each stage
+    fully_shard on dp with FP8 all-gather and its modules compiled; 2 micro-batches per rank. The
+    stages are built with static shapes (input_args and output_args), so that PipelineStage runs no
+    shape-inference pass over the compiled modules."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    stage_index, dp = mesh["pp"].get_local_rank(), mesh["dp"]
+    full = Net()
+    full.load_state_dict(init)
+    stage = nn.Sequential(full.layers[0]) if stage_index == 0 else nn.Sequential(full.layers[1], full.output)
+    options = {**_options(recipe), "mesh": mesh}
+    if recipe == "DelayedScaling":   # micro-batches in flight: the state must advance at the optimizer step
+        options["recipe_options"] = {"amax_history_len": 4, "update_on": "optimizer_step"}
+    te_compile.enable_fp8_all_gather(stage, **options)
+    fully_shard(stage, mesh=dp)
+    stage.set_gradient_divide_factor(1.0)   # the losses are shares of the global one (see _parallel_model)
+    stage.set_force_sum_reduction_for_comms(True)
+    for module in stage:
+        module.compile(backend="te", options=options)
+    # the static metadata includes requires_grad: a later stage's input needs its gradient sent back
+    micro = torch.empty(BATCH[0] // 2 // MICRO_BATCHES, *BATCH[1:])
+    pipe_stage = PipelineStage(stage, stage_index, 2, torch.device("cpu"),
+                               input_args=(micro.clone().requires_grad_(stage_index > 0),),
+                               output_args=(micro.clone().requires_grad_(),), group=mesh["pp"].get_group())
+    schedule = {"GPipe": ScheduleGPipe, "1F1B": Schedule1F1B}[schedule_name](
+        pipe_stage, n_microbatches=MICRO_BATCHES, loss_fn=lambda y, _: _loss(y), scale_grads=False)
+    opt = _optimizer(stage)
+    losses = []
+    for step in range(STEPS):
+        x = _global_batch(step).chunk(2)[dp.get_local_rank()]
+        if stage_index == 0:
+            schedule.step(x)
+            loss = torch.zeros(())
+        else:
+            parts = []
+            schedule.step(target=torch.zeros(x.shape[0]), losses=parts)
+            loss = torch.stack(parts).sum().detach()
+        opt.step()
+        opt.zero_grad()
+        dist.all_reduce(loss)   # stage 1's dp ranks hold the losses
+        losses.append(loss.item())
+    state = {k: v.clone() for k, v in te_compile.recipe_state_dict(stage).items()}
+    # saved and loaded per stage: a fresh stage module takes the state back
+    fresh = nn.Sequential(*(type(m)() for m in stage))
+    te_compile.load_recipe_state_dict(fresh, state)
+    reloaded = te_compile.recipe_state_dict(fresh)
+    sites = [(s.fqn, s.rewritten, s.collectives) for s in te_compile.report().sites if s.op == "linear"]
+    return dict(stage=stage_index, losses=losses, state=state, sites=sites,
+                reloaded=all(torch.equal(reloaded[k], v) for k, v in state.items()) and reloaded.keys() == state.keys())
+
+
 def _errors(rank: int) -> dict:
     """Config errors at compile on a 3-D (pp, dp, tp) mesh, what "auto" resolves to there, and a TP
     plan that cuts MXFP8's blocks."""
@@ -279,6 +341,8 @@ def _worker(rank: int, checkpoint: str) -> dict:
         for m in micro:
             out[("reference", recipe, m)] = _reference(recipe, init, m, STEPS + (recipe == "DelayedScaling"))
     out["resumed"] = _resume(checkpoint, out[("fsdp_tp", "DelayedScaling")]["state"])
+    for recipe, schedule in SCHEDULES:
+        out[("pp", recipe, schedule)] = _pipeline(recipe, schedule, init)
     return out
 
 
@@ -409,3 +473,38 @@ def test_tp_plan_cutting_mxfp8_blocks_stays_high_precision_with_the_reason(nd):
         assert reason.startswith("in_features (K)=48 is not divisible by 32 (MXFP8 scales blocks of 32 along K and "
                                  "N); the whole weight's in_features is 96, which the tensor-parallel plan splits "
                                  "over tp (2 ranks)"), reason
+
+
+@pytest.mark.parametrize("recipe, schedule", SCHEDULES, ids=lambda v: v)
+def test_pipeline_stages_match_one_process(nd, recipe, schedule):
+    """2 stages x 2 data-parallel ranks, 2 micro-batches each: the losses of one process (delayed
+    scaling on the whole global batch; the others one micro-batch per pipeline micro-batch)."""
+    ref_losses, _ = nd[0][("reference", recipe, 1 if recipe == "DelayedScaling" else 2 * MICRO_BATCHES)]
+    for rank in nd:
+        got = rank[("pp", recipe, schedule)]["losses"]
+        assert got == pytest.approx(ref_losses[:STEPS], rel=1e-6), (got, ref_losses)
+
+
+@pytest.mark.parametrize("schedule", ("GPipe", "1F1B"))
+def test_pipeline_delayed_state_advances_once_per_step_within_each_stage(nd, schedule):
+    """Each stage keeps its own layers' state; it equals one process's after 3 steps (one advance per
+    optimizer step with the max over the micro-batches and data-parallel ranks: the global batch's),
+    is the same on the stage's dp ranks, and is reduced over dp only, never across stages."""
+    _, ref_state = nd[0][("reference", "DelayedScaling", 1)]
+    by_stage = {}
+    for rank in nd:
+        r = rank[("pp", "DelayedScaling", schedule)]
+        by_stage.setdefault(r["stage"], []).append(r)
+        prefix = {0: ("layers.0.",), 1: ("layers.1.", "output.")}[r["stage"]]
+        names = {0: {"0.": "layers.0."}, 1: {"0.": "layers.1.", "1.": "output."}}[r["stage"]]
+        assert len(r["state"]) == {0: 2, 1: 3}[r["stage"]] * 3 * 2
+        for key, value in r["state"].items():
+            ref_key = next(names[p] + key[len(p):] for p in names if key.startswith(p))
+            assert ref_key.startswith(prefix)
+            torch.testing.assert_close(value, ref_state[ref_key], rtol=1e-5, atol=0, msg=lambda m: f"{key}: {m}")
+        assert r["reloaded"]
+        assert {c for _, rewritten, c in r["sites"] if rewritten} == {
+            "amax history all-reduce over dp (2 ranks), once per optimizer step, every graph's together"}
+    for stage, ranks in by_stage.items():
+        assert len(ranks) == 2
+        assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])

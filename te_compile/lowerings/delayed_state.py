@@ -40,7 +40,7 @@ from ..kernels.delayed_update import delayed_scaling_update_op
 from ..scaling import delayed_scale_from_history, fp8_max, update_amax_history
 from ..recipe import GEMM_ROLES
 
-__all__ = ["DelayedScalingUpdate", "UpdateSpec", "update_role_state"]
+__all__ = ["DelayedScalingUpdate", "UpdateSpec", "update_role_state", "amax_sink", "advance_delayed_state"]
 
 def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
                       recipe: DelayedScaling) -> None:
@@ -87,6 +87,11 @@ class UpdateSpec:
         """Amaxes a site of state ``j`` returns: one per role, or per role and expert ([roles, E] flat)."""
         return len(self.roles_of(j)) * max(1, self.experts_of(j))
 
+    def deferred(self, j: int) -> bool:
+        """Whether state ``j`` advances at the optimizer step (``update_on = "optimizer_step"``): its
+        amaxes leave the graph through a sink instead of updating the state in the backward."""
+        return self.recipes[j].update_on == "optimizer_step"
+
     def state_offsets(self) -> list[int]:
         """Where each state's tensors start in the flat state list (2 per role), and the total last."""
         offsets = [0]
@@ -97,29 +102,51 @@ class UpdateSpec:
 
 class _AmaxCarriers(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, spec: UpdateSpec, anchor, *state):
+    def forward(ctx, spec: UpdateSpec, anchor, *tensors):
+        """tensors: the state tensors of every state, then one sink per deferred state."""
         ctx.spec = spec
         ctx.set_materialize_grads(False)  # a site whose backward never ran contributes nothing
-        ctx.save_for_backward(*state)
-        device = state[0].device
+        total = spec.state_offsets()[-1]
+        ctx.n_sinks = len(tensors) - total
+        # only the states updated here are saved: a deferred state is written at the optimizer step,
+        # after every backward of the step, and a saved copy would only pin its version
+        offsets = spec.state_offsets()
+        ctx.save_for_backward(*(t for j in range(len(spec.recipes)) if not spec.deferred(j)
+                                for t in tensors[offsets[j]:offsets[j + 1]]))
+        device = tensors[0].device
         return tuple(torch.zeros(spec.carrier_size(j), dtype=torch.float32, device=device)
                      for j in spec.site_weights)
 
     @staticmethod
     def backward(ctx, *site_amaxes):
-        spec, state = ctx.spec, ctx.saved_tensors
+        spec, saved = ctx.spec, ctx.saved_tensors
         weights, combined = [], []
+        sink_grads = []   # per deferred state: its amaxes, or None when none of its sites ran backward
         for j in range(len(spec.recipes)):
             amaxes = [a for a, w in zip(site_amaxes, spec.site_weights) if w == j and a is not None]
-            if not amaxes:
-                continue
-            weights.append(j)
             # max over the call sites of this weight; a NaN in any of them stays NaN (non-finite)
-            combined.append(torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0])
-        if spec.groups:
-            combined = reduce_amaxes(combined, [spec.groups[j] for j in weights])
-        _update_states(spec, state, weights, combined)
-        return (None, None) + (None,) * len(state)
+            amax = None if not amaxes else torch.stack(amaxes).amax(dim=0) if len(amaxes) > 1 else amaxes[0]
+            if spec.deferred(j):
+                sink_grads.append(amax)
+            elif amax is not None:
+                weights.append(j)
+                combined.append(amax)
+        if weights:
+            if spec.groups:
+                combined = reduce_amaxes(combined, [spec.groups[j] for j in weights])
+            _update_states(spec, _saved_states(spec, saved), weights, combined)
+        return (None, None) + (None,) * spec.state_offsets()[-1] + tuple(sink_grads)
+
+
+def _saved_states(spec: UpdateSpec, saved) -> list:
+    """The flat state list with the saved tensors of the states updated in the backward in their
+    places (None for deferred states' tensors, which were not saved)."""
+    out, it = [], iter(saved)
+    offsets = spec.state_offsets()
+    for j in range(len(spec.recipes)):
+        n = offsets[j + 1] - offsets[j]
+        out += [None] * n if spec.deferred(j) else [next(it) for _ in range(n)]
+    return out
 
 
 def _batchable(recipe: DelayedScaling) -> bool:
@@ -170,11 +197,81 @@ class DelayedScalingUpdate:
         self.__module__ = __name__
 
     def __call__(self, anchor: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        expected = self.spec.state_offsets()[-1]
+        """state: every state's tensors, then one amax sink per deferred state (``amax_sink``)."""
+        sinks = sum(self.spec.deferred(j) for j in range(len(self.spec.recipes)))
+        expected = self.spec.state_offsets()[-1] + sinks
         if len(state) != expected:
-            raise ValueError(f"expected {expected} state tensors (2 per role) for "
+            raise ValueError(f"expected {expected} state tensors (2 per role, and {sinks} sinks) for "
                              f"{len(self.spec.recipes)} states, got {len(state)}")
         return _AmaxCarriers.apply(self.spec, anchor, *state)
 
     def __repr__(self) -> str:
         return f"DelayedScalingUpdate({len(self.spec.recipes)} states, {len(self.spec.site_weights)} sites)"
+
+
+# ---- update_on = "optimizer_step": the amaxes of every backward of a step, folded once --------------
+
+@dataclass
+class _Pending:
+    """A deferred state's amaxes since its last update, and what its update needs."""
+
+    label: str                        # the state's name (its first site): the order across ranks
+    tensors: list                     # RoleStates.tensors(): per role (amax_history, scale)
+    recipe: DelayedScaling
+    roles: tuple[str, ...]
+    experts: int
+    groups: tuple[AmaxGroup, ...]
+    amax: torch.Tensor                # [roles * max(1, E)], the max so far
+
+
+_PENDING: dict[int, _Pending] = {}    # id(first state tensor) -> its pending amaxes
+_HOOKED = False
+
+
+def amax_sink(tensors: list, recipe: DelayedScaling, roles: tuple[str, ...], experts: int,
+              groups: tuple, label: str) -> torch.Tensor:
+    """A fresh leaf [roles * max(1, E)] that requires grad, for one call of a graph with a deferred
+    state (``tensors``: that state's RoleStates.tensors()). The update node's backward returns the
+    state's amaxes of that call as the leaf's gradient; a hook keeps their running max until the next
+    optimizer step folds them into the state (``advance_delayed_state``). A leaf per call, so that two
+    calls in one backward (a block run twice) are two gradients, never summed."""
+    global _HOOKED
+    if not _HOOKED:
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        register_optimizer_step_post_hook(lambda *_: advance_delayed_state())
+        _HOOKED = True
+    sink = torch.zeros(len(roles) * max(1, experts), dtype=torch.float32, device=tensors[0].device,
+                       requires_grad=True)
+
+    def keep(leaf: torch.Tensor) -> None:
+        amax, leaf.grad = leaf.grad.detach(), None
+        entry = _PENDING.get(id(tensors[0]))
+        if entry is None:
+            _PENDING[id(tensors[0])] = _Pending(label, tensors, recipe, roles, experts, groups, amax.clone())
+        else:   # torch.maximum keeps a NaN: a non-finite micro-batch makes the step's amax non-finite
+            entry.amax = torch.maximum(entry.amax, amax)
+
+    sink.register_post_accumulate_grad_hook(keep)
+    return sink
+
+
+def advance_delayed_state() -> int:
+    """Fold the amaxes of every backward since the last call into their states (DelayedScaling with
+    ``update_on = "optimizer_step"``): all-reduced with MAX per group (one collective per group for
+    every state of every graph), pushed into the histories, the next scales computed. Runs after every
+    ``torch.optim`` optimizer step by itself; call it after stepping any other optimizer. Every rank of
+    a group must call it at the same point. Returns how many states advanced (0 when no backward ran
+    since the last call, e.g. a second optimizer stepping in the same iteration)."""
+    if not _PENDING:
+        return 0
+    entries = sorted(_PENDING.values(), key=lambda e: e.label)
+    _PENDING.clear()
+    amaxes = reduce_amaxes([e.amax for e in entries], [e.groups for e in entries])
+    with torch.no_grad():
+        for entry, amax in zip(entries, amaxes):
+            rows = max(1, entry.experts)
+            for r, role in enumerate(entry.roles):
+                history, scale = entry.tensors[2 * r], entry.tensors[2 * r + 1]
+                update_role_state(history, scale, amax[r * rows:(r + 1) * rows], role, entry.recipe)
+    return len(entries)

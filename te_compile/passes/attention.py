@@ -29,7 +29,7 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
-from ..distributed import describe_groups, is_dtensor
+from ..distributed import is_dtensor
 from ..lowerings.attention import AttentionLowering, AttentionSpec
 from ..state import attention_key_param
 from .graphs import GraphScope, ParamRef, module_fqn
@@ -170,8 +170,7 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
             if extra is None:
                 extra, unkeyed = [], " (no parameter in this graph to key delayed-scaling state on)"
             elif _amax_groups(ctx, recipe):
-                collectives = (f"amax history all-reduce over {describe_groups(_amax_groups(ctx, recipe))}, "
-                               f"one per graph and step")
+                collectives = ctx.history_reduction(_amax_groups(ctx, recipe), recipe)
         d = value_of(args["query"]).shape[-1]
         scale = args["scale"]
         spec = AttentionSpec(fqn, recipe, float(scale) if scale is not None else 1.0 / math.sqrt(d),

@@ -8,7 +8,7 @@ from typing import Callable, Optional
 import torch.fx as fx
 
 from ..config import TeConfig
-from ..distributed import AmaxGroup, describe_placements, expert_shard_groups, is_dtensor
+from ..distributed import AmaxGroup, describe_groups, describe_placements, expert_shard_groups, is_dtensor
 from ..recipe import Recipe
 from ..report import SiteRecord
 from .delayed_state import DelayedState
@@ -50,6 +50,16 @@ class PassContext:
         if param is not None and is_dtensor(param.value) and isinstance(setting, str) and setting == "same":
             return expert_shard_groups(param.value)
         return (self.expert_amax_group,) if self.expert_amax_group is not None else ()
+
+    @staticmethod
+    def history_reduction(groups, recipe) -> str:
+        """The report's collectives text of a DelayedScaling site whose amaxes are reduced over
+        ``groups`` (none: "")."""
+        if not groups:
+            return ""
+        when = ("once per optimizer step, every graph's together" if recipe.update_on == "optimizer_step"
+                else "one per graph and step")
+        return f"amax history all-reduce over {describe_groups(groups)}, {when}"
 
     @staticmethod
     def local_shard_note(param: Optional[ParamRef]) -> str:

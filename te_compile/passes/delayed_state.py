@@ -22,12 +22,12 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..distributed import minimal_groups
-from ..lowerings.delayed_state import DelayedScalingUpdate, UpdateSpec
+from ..lowerings.delayed_state import DelayedScalingUpdate, UpdateSpec, amax_sink
 from ..recipe import ATTENTION_ROLES, GEMM_ROLES, DelayedScaling
 from ..state import ATTENTION_SITE, amax_anchor, attention_state_for, state_for
 from .graphs import GraphScope, ParamRef
 
-__all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "DelayedState"]
+__all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "SinkInput", "DelayedState"]
 
 # an SDPA site's state is named after its module: "<module>.sdpa" (te_compile.state)
 ATTENTION_SITE_KEY = ATTENTION_SITE
@@ -71,7 +71,24 @@ class AnchorInput:
         return [amax_anchor(self.device)]
 
 
-ExtraInput = Union[StateInput, AttentionStateInput, AnchorInput]
+@dataclass(frozen=True)
+class SinkInput:
+    """A fresh amax sink for one call (DelayedScaling with ``update_on = "optimizer_step"``): the leaf
+    whose gradient carries the state's amaxes of that call out of the graph (lowerings/delayed_state.py
+    ``amax_sink``). ``state``: the extra input of the state it is for, to find that call's state."""
+
+    state: Union[StateInput, AttentionStateInput]
+    recipe: DelayedScaling
+    roles: tuple[str, ...]
+    experts: int
+    groups: tuple
+    label: str
+
+    def tensors(self, args: Sequence) -> list[torch.Tensor]:
+        return [amax_sink(self.state.tensors(args), self.recipe, self.roles, self.experts, self.groups, self.label)]
+
+
+ExtraInput = Union[StateInput, AttentionStateInput, AnchorInput, SinkInput]
 
 
 @dataclass
@@ -82,6 +99,7 @@ class _Weight:
     recipe: DelayedScaling
     fqn: str                    # the first site using it
     nodes: list[fx.Node]        # its top-level placeholders, in RoleStates.tensors() order
+    source: Union[StateInput, AttentionStateInput]   # its extra input
     groups: tuple = ()          # the groups its amaxes are all-reduced over (all its sites')
     roles: tuple = GEMM_ROLES
     experts: int = 0            # a 3-D expert weight's E: one history per expert and role
@@ -112,9 +130,10 @@ class DelayedState:
             state = state_for(param.value, recipe.amax_history_len, where)  # validates the length
             if fqn not in state.sites:
                 state.sites.append(fqn)
-            self.inputs.append(StateInput(param.index, recipe.amax_history_len, where))
+            source = StateInput(param.index, recipe.amax_history_len, where)
+            self.inputs.append(source)
             nodes = self._placeholders(f"te_state_{len(self._weights)}", state.tensors())
-            weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes,
+            weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes, source,
                                                               experts=state.experts)
         elif weight.recipe != recipe:
             return (f"its weight {param.name} is also used by {weight.fqn or '<root>'} under another "
@@ -136,9 +155,11 @@ class DelayedState:
             depth = len(param.name.split(".")) - (len(owner.split(".")) if owner else 0)
             where = f"{fqn or '<root>'} (SDPA)"
             state = attention_state_for(param.value, site_key, depth, recipe.amax_history_len, where)
-            self.inputs.append(AttentionStateInput(param.index, site_key, depth, recipe.amax_history_len, where))
+            source = AttentionStateInput(param.index, site_key, depth, recipe.amax_history_len, where)
+            self.inputs.append(source)
             nodes = self._placeholders(f"te_sdpa_state_{len(self._weights)}", state.tensors())
-            entry = self._weights[key] = _Weight(len(self._weights), recipe, fqn, nodes, roles=ATTENTION_ROLES)
+            entry = self._weights[key] = _Weight(len(self._weights), recipe, fqn, nodes, source,
+                                                 roles=ATTENTION_ROLES)
         elif entry.recipe != recipe:
             return (f"another SDPA call of {entry.fqn or '<root>'} runs under another DelayedScaling config; "
                     f"one module's SDPA calls keep one state")
@@ -164,13 +185,22 @@ class DelayedState:
             self._update.target = DelayedScalingUpdate(UpdateSpec(
                 tuple(w.recipe for w in weights), tuple(self._site_weights), groups if any(groups) else (),
                 roles if any(r != GEMM_ROLES for r in roles) else (), experts if any(experts) else ()))
-            self._update.args = (self._anchor, *(n for w in weights for n in w.nodes))
+            sinks = []
+            for w in weights:
+                if w.recipe.update_on != "optimizer_step":
+                    continue
+                sink = SinkInput(w.source, w.recipe, w.roles, w.experts, w.groups, w.fqn or "<root>")
+                self.inputs.append(sink)
+                sinks += self._placeholders(f"te_amax_sink_{w.index}", sink.tensors(self.example_inputs),
+                                            static=False)   # a new leaf each call
+            self._update.args = (self._anchor, *(n for w in weights for n in w.nodes), *sinks)
         return self.inputs
 
     # ---- graph edits (all in the top-level graph) ----
 
-    def _placeholders(self, prefix: str, tensors: list[torch.Tensor]) -> list[fx.Node]:
-        """Placeholders after the existing inputs, with static-shape example values."""
+    def _placeholders(self, prefix: str, tensors: list[torch.Tensor], static: bool = True) -> list[fx.Node]:
+        """Placeholders after the existing inputs, with static-shape example values (``static``: also
+        marked as living at one address, which the amax sinks, new at every call, do not)."""
         graph = self.top.graph
         last = self.top.placeholders()[-1]
         fake_mode = detect_fake_mode(self.example_inputs)
@@ -185,7 +215,8 @@ class DelayedState:
             # tensors and the anchor are the same objects at every call and the graph updates the
             # state in place, so under CUDA graphs (mode="reduce-overhead") they are read and written
             # where they live, not copied into the graph's own input buffers at each replay
-            last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
+            if static:
+                last.meta["tensor_dict"] = {"_dynamo_static_input_type": "unguarded"}
             if fake_mode is not None:
                 last.meta["example_value"] = fake_mode.from_tensor(t, static_shapes=True)
             nodes.append(last)

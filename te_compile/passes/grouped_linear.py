@@ -7,7 +7,7 @@ from typing import Optional
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from ..distributed import describe_groups, is_dtensor
+from ..distributed import is_dtensor
 from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_native_grouped_gemm
 from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from ..quantization import FLOAT_DTYPES
@@ -122,7 +122,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
                 record(False, extra, recipe.name)
                 continue
             if groups:
-                collectives = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step"
+                collectives = ctx.history_reduction(groups, recipe)
             key = (*_tokens_key(site.x), site.offs, recipe)
             if key in first_reader:
                 name, extra[1] = first_reader[key]

@@ -7,7 +7,7 @@ import operator
 
 import torch.fx as fx
 
-from ..distributed import (NO_GROUPS, describe_groups, describe_role_groups, local_value, merge_role_groups,
+from ..distributed import (NO_GROUPS, describe_role_groups, local_value, merge_role_groups,
                            minimal_groups)
 from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
@@ -51,7 +51,7 @@ def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple,
             wanted = list(ctx.expert_groups(site.param))
         wanted = wanted if recipe.reduce_amax else []
         groups = minimal_groups([*wanted, *(g for gs in roles for g in gs)])
-        text = f"amax history all-reduce over {describe_groups(groups)}, one per graph and step" if groups else ""
+        text = ctx.history_reduction(groups, recipe)
         return plain, groups, text
     if w is not None and weight_is_operand(local_value(w), recipe):
         # FSDP2's FP8 all-gather brings the bytes with the whole weight's scale: no reduction here
