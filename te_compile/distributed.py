@@ -95,7 +95,8 @@ def mesh_dims_group(mesh, dims: Sequence[int]) -> tuple[AmaxGroup, ...]:
     if not names:
         return minimal_groups(mesh_dim_group(mesh, d) for d in dims)
     flat = mesh[tuple(names[d] for d in dims)]._flatten()
-    return minimal_groups([_group(flat.get_group(0), flat.mesh_dim_names[0])])
+    # the label is ours: torch may hand back an equal flattened mesh made earlier under another name
+    return minimal_groups([_group(flat.get_group(0), "_".join(names[d] for d in dims))])
 
 
 def expert_shard_groups(weight) -> tuple[AmaxGroup, ...]:

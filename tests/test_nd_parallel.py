@@ -126,6 +126,12 @@ def _parallel_model(layout: str, recipe: str, init: dict):
         for layer in model.layers:
             parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
         fsdp_mesh = dp = mesh["dp_shard"]
+    elif layout == "hsdp_tp":   # HSDP + TP on a 3-D mesh (4 ranks: a shard dim of one)
+        mesh = init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], {"w1": ColwiseParallel(), "w2": RowwiseParallel()})
+        fsdp_mesh = mesh["dp_replicate", "dp_shard"]
+        dp = fsdp_mesh._flatten()
     else:
         mesh = fsdp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_replicate", "dp_shard"))
         dp = mesh._flatten()
@@ -141,7 +147,9 @@ def _parallel_model(layout: str, recipe: str, init: dict):
     # FSDP + TP: the graphs of the TP'd layers find the mesh in their DTensors ("auto" reduces over
     # dp_shard x tp), the output layer's graph has none ("auto" is the world, the same ranks); HSDP names
     # the mesh in the options, as a model without DTensors must for "auto" to follow it
-    options = {**_options(recipe), **({"mesh": mesh} if layout == "hsdp" else {})}
+    # HSDP + TP names it too: this process built other meshes before, and DTensor may hand the graph
+    # an equal sub-mesh of an earlier root (torch compares meshes by their ranks)
+    options = {**_options(recipe), **({"mesh": mesh} if layout in ("hsdp", "hsdp_tp") else {})}
     for module in (*model.layers, model.output):
         module.compile(backend="te", options=options)
     return model, dp.get_group(), dp.get_local_rank(), dp.size(), outcome
@@ -343,6 +351,7 @@ def _worker(rank: int, checkpoint: str) -> dict:
     out["resumed"] = _resume(checkpoint, out[("fsdp_tp", "DelayedScaling")]["state"])
     for recipe, schedule in SCHEDULES:
         out[("pp", recipe, schedule)] = _pipeline(recipe, schedule, init)
+    out[("hsdp_tp", "DelayedScaling")] = _train("hsdp_tp", "DelayedScaling", init)
     return out
 
 
@@ -508,3 +517,18 @@ def test_pipeline_delayed_state_advances_once_per_step_within_each_stage(nd, sch
     for stage, ranks in by_stage.items():
         assert len(ranks) == 2
         assert all(torch.equal(ranks[0]["state"][k], ranks[1]["state"][k]) for k in ranks[0]["state"])
+
+
+def test_hsdp_with_tp_on_a_3d_mesh(nd):
+    """(dp_replicate, dp_shard, tp) = (2, 1, 2), delayed scaling: one process's losses, one state on
+    every rank, "auto" reducing over the dims with more than one rank (one flattened group)."""
+    ref_losses, _ = nd[0][("reference", "DelayedScaling", 1)]
+    states = []
+    for rank in nd:
+        r = rank[("hsdp_tp", "DelayedScaling")]
+        assert r["losses"] == pytest.approx(ref_losses[:STEPS], rel=1e-6), (r["losses"], ref_losses)
+        assert set(r["outcome"].values()) == {"FP8 all-gather"}
+        rows = {fqn: c for _, fqn, op, rewritten, _, c in r["sites"] if op == "linear" and rewritten}
+        assert rows["layers.0.w1"] == "amax history all-reduce over dp_replicate_tp (4 ranks), one per graph and step"
+        states.append(r["state"])
+    assert all(torch.equal(state[k], states[0][k]) for state in states for k in states[0])
