@@ -57,7 +57,7 @@ import torch.nn as nn
 import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
-from .distributed import is_dtensor, local_value
+from .distributed import is_dtensor, local_value, mesh_dims_group, reduce_amaxes
 from .quantization import current_scale, quantize_per_tensor, weight_ineligibility, weight_quantizer
 from .scaling import cast_to_fp8, tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
@@ -131,8 +131,6 @@ class _Slot:
         group; HSDP's replicate dim holds copies and is left out. Made once: a flattened group is a
         new process group, which every rank creates in the same order (all ranks refresh together)."""
         if self.groups is None:
-            from .distributed import mesh_dims_group
-
             # not is_shard(): FSDP's _StridedShard over a TP-sharded dim is no Shard in torch 2.13
             dims = [d for d, p in enumerate(param.placements) if not (p.is_replicate() or p.is_partial())]
             self.groups = mesh_dims_group(param.device_mesh, dims)
@@ -176,8 +174,6 @@ class _ScaleBook:
         """The shard amaxes of every weight sharded on ``mesh`` now, all-reduced with MAX: one
         collective per distinct group (one for all on a 1-D mesh, under HSDP and under FSDP + TP;
         FSDP + TP adds one for weights TP leaves whole, which are split on dp_shard alone)."""
-        from .distributed import reduce_amaxes
-
         members = [(slot, param) for slot in self.slots
                    if slot.block_quantizer is None and (param := slot.sharded(mesh)) is not None]
         amaxes = reduce_amaxes([slot.local_amax(param) for slot, param in members],

@@ -120,10 +120,10 @@ def test_each_norm_form_fuses_with_its_readers(name, recipe):
 
 @pytest.fixture(scope="module")
 def gpt_runs():
-    """TinyGPT under inductor, fused and unfused, CS and DS, two steps each (DS: the second step uses
-    the first step's amaxes)."""
+    """TinyGPT (one block: four inductor compiles are the file's biggest cost) under inductor, fused
+    and unfused, CS and DS, two steps each (DS: the second step uses the first step's amaxes)."""
     torch.manual_seed(0)
-    base = TinyGPT()
+    base = TinyGPT(n_layer=1)
     g = torch.Generator().manual_seed(0)
     batches = [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
                for _ in range(2)]
@@ -150,7 +150,6 @@ def test_gpt_under_inductor_matches_the_unfused_path(gpt_runs, recipe):
     norms = [s for s in report.sites if s.op == "layer_norm"]
     assert [(s.fqn, s.reason) for s in norms] == [
         ("blocks.0.ln1", "fused into blocks.0.attn.qkv"), ("blocks.0.ln2", "fused into blocks.0.mlp.fc"),
-        ("blocks.1.ln1", "fused into blocks.1.attn.qkv"), ("blocks.1.ln2", "fused into blocks.1.mlp.fc"),
         ("ln_f", "fused into lm_head")]
     assert all(s.rewritten and s.recipe == recipe for s in norms)
     assert [s for s in ref_report.sites if s.op == "layer_norm" and s.rewritten] == []

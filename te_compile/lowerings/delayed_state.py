@@ -106,8 +106,6 @@ class _AmaxCarriers(torch.autograd.Function):
         """tensors: the state tensors of every state, then one sink per deferred state."""
         ctx.spec = spec
         ctx.set_materialize_grads(False)  # a site whose backward never ran contributes nothing
-        total = spec.state_offsets()[-1]
-        ctx.n_sinks = len(tensors) - total
         # only the states updated here are saved: a deferred state is written at the optimizer step,
         # after every backward of the step, and a saved copy would only pin its version
         offsets = spec.state_offsets()
@@ -215,7 +213,6 @@ class DelayedScalingUpdate:
 class _Pending:
     """A deferred state's amaxes since its last update, and what its update needs."""
 
-    label: str                        # the state's name (its first site): the order across ranks
     tensors: list                     # RoleStates.tensors(): per role (amax_history, scale)
     recipe: DelayedScaling
     roles: tuple[str, ...]
@@ -224,12 +221,12 @@ class _Pending:
     amax: torch.Tensor                # [roles * max(1, E)], the max so far
 
 
-_PENDING: dict[int, _Pending] = {}    # id(first state tensor) -> its pending amaxes
+_PENDING: dict[int, _Pending] = {}    # id(first state tensor) -> its pending amaxes, in arrival order
 _HOOKED = False
 
 
 def amax_sink(tensors: list, recipe: DelayedScaling, roles: tuple[str, ...], experts: int,
-              groups: tuple, label: str) -> torch.Tensor:
+              groups: tuple) -> torch.Tensor:
     """A fresh leaf [roles * max(1, E)] that requires grad, for one call of a graph with a deferred
     state (``tensors``: that state's RoleStates.tensors()). The update node's backward returns the
     state's amaxes of that call as the leaf's gradient; a hook keeps their running max until the next
@@ -248,7 +245,7 @@ def amax_sink(tensors: list, recipe: DelayedScaling, roles: tuple[str, ...], exp
         amax, leaf.grad = leaf.grad.detach(), None
         entry = _PENDING.get(id(tensors[0]))
         if entry is None:
-            _PENDING[id(tensors[0])] = _Pending(label, tensors, recipe, roles, experts, groups, amax.clone())
+            _PENDING[id(tensors[0])] = _Pending(tensors, recipe, roles, experts, groups, amax.clone())
         else:   # torch.maximum keeps a NaN: a non-finite micro-batch makes the step's amax non-finite
             entry.amax = torch.maximum(entry.amax, amax)
 
@@ -265,7 +262,9 @@ def advance_delayed_state() -> int:
     since the last call, e.g. a second optimizer stepping in the same iteration)."""
     if not _PENDING:
         return 0
-    entries = sorted(_PENDING.values(), key=lambda e: e.label)
+    # in the order their first backward reached them: the same on every rank of a group, which runs
+    # the same graphs on the same micro-batch schedule, so the packed all-reduce lines up
+    entries = list(_PENDING.values())
     _PENDING.clear()
     amaxes = reduce_amaxes([e.amax for e in entries], [e.groups for e in entries])
     with torch.no_grad():

@@ -82,10 +82,9 @@ class SinkInput:
     roles: tuple[str, ...]
     experts: int
     groups: tuple
-    label: str
 
     def tensors(self, args: Sequence) -> list[torch.Tensor]:
-        return [amax_sink(self.state.tensors(args), self.recipe, self.roles, self.experts, self.groups, self.label)]
+        return [amax_sink(self.state.tensors(args), self.recipe, self.roles, self.experts, self.groups)]
 
 
 ExtraInput = Union[StateInput, AttentionStateInput, AnchorInput, SinkInput]
@@ -189,7 +188,7 @@ class DelayedState:
             for w in weights:
                 if w.recipe.update_on != "optimizer_step":
                     continue
-                sink = SinkInput(w.source, w.recipe, w.roles, w.experts, w.groups, w.fqn or "<root>")
+                sink = SinkInput(w.source, w.recipe, w.roles, w.experts, w.groups)
                 self.inputs.append(sink)
                 sinks += self._placeholders(f"te_amax_sink_{w.index}", sink.tensors(self.example_inputs),
                                             static=False)   # a new leaf each call
