@@ -1,8 +1,9 @@
 """Amax reductions across ranks: DDP + DelayedScaling, tensor / sequence parallel, hand-sharded tensors.
 
-Each multi-process test spawns 2 CPU processes over gloo (a free port, one thread each, aot_eager so
-a compile costs seconds); a worker saves what it measured with torch.save and the test process
-asserts on it, so a failure shows as an ordinary assertion with both ranks' values.
+The multi-process tests share one spawned world of 2 CPU processes over gloo (a free port, one
+thread each, aot_eager so a compile costs seconds); the workers save what they measured with
+torch.save and the test process asserts on it, so a failure shows as an ordinary assertion with
+both ranks' values.
 """
 
 from __future__ import annotations
@@ -144,9 +145,26 @@ def _ddp_worker(rank: int) -> dict:
     return out
 
 
+def _world(rank: int) -> dict:
+    """Every multi-process case of this file in one spawned world (a spawn costs seconds of imports
+    per rank). Inductor first: the others install AotGraphs, which replaces the final compiler."""
+    out = {}
+    for key, worker in (("inductor", _inductor_worker), ("ddp", _ddp_worker), ("tp", _tp_worker),
+                        ("hand", _hand_worker)):
+        torch._dynamo.reset()
+        te_compile.reset()
+        out[key] = worker(rank)
+    return out
+
+
 @pytest.fixture(scope="module")
-def ddp_results(tmp_path_factory):
-    return run_ranks(_ddp_worker, tmp_path_factory.mktemp("ddp"))
+def world(tmp_path_factory):
+    return run_ranks(_world, tmp_path_factory.mktemp("distributed"))
+
+
+@pytest.fixture(scope="module")
+def ddp_results(world):
+    return [r["ddp"] for r in world]
 
 
 def test_ddp_delayed_scaling_state_identical_on_ranks(ddp_results):
@@ -322,8 +340,8 @@ def _tp_worker(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def tp_results(tmp_path_factory):
-    return run_ranks(_tp_worker, tmp_path_factory.mktemp("tp"))
+def tp_results(world):
+    return [r["tp"] for r in world]
 
 
 def test_tp_shards_quantize_to_one_process_bytes(tp_results):
@@ -424,8 +442,8 @@ def _inductor_worker(rank: int) -> dict:
 
 
 @pytest.mark.slow
-def test_tp_under_inductor(tmp_path):
-    for r in run_ranks(_inductor_worker, tmp_path):
+def test_tp_under_inductor(world):
+    for r in (rank["inductor"] for rank in world):
         for recipe, res in r.items():
             torch.testing.assert_close(res["y"], res["y_ref"], rtol=1e-5, atol=1e-4)
             for name, (g, g_ref) in res["grads"].items():
@@ -511,8 +529,8 @@ def _hand_worker(rank: int) -> dict:
 
 
 @pytest.fixture(scope="module")
-def hand_results(tmp_path_factory):
-    return run_ranks(_hand_worker, tmp_path_factory.mktemp("hand"))
+def hand_results(world):
+    return [r["hand"] for r in world]
 
 
 def test_hand_sharded_modules_reduce_amaxes(hand_results):

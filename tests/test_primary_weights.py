@@ -9,6 +9,8 @@ for current scaling, delayed scaling, MXFP8 and Float8 block.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -368,10 +370,36 @@ def _parity_rank(rank: int, names) -> dict:
     return out
 
 
-def test_zero_sharded_master_weights_match_on_the_fly_quantization_bitwise(tmp_path):
+EXPERT_NAMES = ["Float8CurrentScaling", "DelayedScaling"]
+DDP_NAMES = ["Float8CurrentScaling", "MXFP8BlockScaling"]
+
+
+def _world(rank: int, tmp: str) -> dict:
+    """Every multi-rank case of this file in one spawned world of 2 ranks (a spawn costs a few
+    seconds of imports per rank): ZeRO-1 parity, the expert masters, DDP, FSDP2 per recipe."""
+    # each part compiles its models afresh (its report rows, the recompile limit): reset Dynamo between
+    parts = [("parity", lambda: _parity_rank(rank, list(RECIPES))),
+             ("expert", lambda: _expert_parity_rank(rank, EXPERT_NAMES)),
+             ("ddp", lambda: _ddp_rank(rank, DDP_NAMES))]
+    parts += [(("fsdp2", name), lambda name=name: _fsdp_rank(rank, name, os.path.join(tmp, f"ckpt_{name}")))
+              for name in RECIPES]
+    out = {}
+    for key, part in parts:
+        torch._dynamo.reset()
+        out[key] = part()
+    return out
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("needs torch.distributed with gloo")
-    results = run_ranks(_parity_rank, tmp_path, list(RECIPES))
+    tmp = tmp_path_factory.mktemp("primary")
+    return run_ranks(_world, tmp, str(tmp))
+
+
+def test_zero_sharded_master_weights_match_on_the_fly_quantization_bitwise(world):
+    results = [r["parity"] for r in world]
     for rank, result in enumerate(results):
         for name, (_, cls) in RECIPES.items():
             assert result[name]["types"] == [cls] * 3, name
@@ -430,16 +458,13 @@ def _expert_parity_rank(rank: int, names) -> dict:
     return out
 
 
-def test_zero_sharded_expert_masters_match_on_the_fly_quantization_bitwise(tmp_path):
+def test_zero_sharded_expert_masters_match_on_the_fly_quantization_bitwise(world):
     """ZeRO-1 over FP8 expert weights (GroupedFloat8Tensor): each rank casts its range of the fp32
     masters, the amax of the expert split between the ranks is all-reduced, and the losses equal fp32
     weights quantized on the fly, bit for bit, at every step."""
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    names = ["Float8CurrentScaling", "DelayedScaling"]
-    results = run_ranks(_expert_parity_rank, tmp_path, names)
+    results = [r["expert"] for r in world]
     for rank, result in enumerate(results):
-        for name in names:
+        for name in EXPERT_NAMES:
             assert result[name]["grouped"] == [True, True, False], name
             # both ranks hold part of w2 (the split falls inside its first expert)
             assert result[name]["w2_master"] not in (None, 0, 3 * 64 * 96), result[name]["w2_master"]
@@ -500,12 +525,9 @@ def _ddp_rank(rank: int, names) -> dict:
     return out
 
 
-def test_ddp_trains_fp8_primary_weights_like_on_the_fly_weights(tmp_path):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    names = ["Float8CurrentScaling", "MXFP8BlockScaling"]
-    r0, r1 = run_ranks(_ddp_rank, tmp_path, names)
-    for name in names:
+def test_ddp_trains_fp8_primary_weights_like_on_the_fly_weights(world):
+    r0, r1 = (r["ddp"] for r in world)
+    for name in DDP_NAMES:
         assert r0[name]["used_as_is"] >= 3, (name, r0[name]["reasons"])
         for rank, result in enumerate((r0, r1)):
             for step, (ref, fp8) in enumerate(result[name]["losses"]):
@@ -634,10 +656,8 @@ def _fsdp_rank(rank: int, name: str, ckpt: str) -> dict:
 
 
 @pytest.mark.parametrize("name", list(RECIPES))
-def test_fsdp2_gathers_fp8_primary_weights_as_bytes(tmp_path, name):
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("needs torch.distributed with gloo")
-    for rank, result in enumerate(run_ranks(_fsdp_rank, tmp_path, name, str(tmp_path / "ckpt"))):
+def test_fsdp2_gathers_fp8_primary_weights_as_bytes(world, name):
+    for rank, result in enumerate(r[("fsdp2", name)] for r in world):
         assert result["shard_type"] is RECIPES[name][1]
         ref_sent, fp8_sent = result["sent"]
         assert {dtype for dtype, _ in ref_sent} == {torch.float32}
