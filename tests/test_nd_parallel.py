@@ -308,6 +308,46 @@ def _pipeline(recipe: str, schedule_name: str, init: dict) -> dict:
                 reloaded=all(torch.equal(reloaded[k], v) for k, v in state.items()) and reloaded.keys() == state.keys())
 
 
+def _spmd(recipe: str, init: dict) -> dict:
+    """torch 2.13's SPMD form: weights are DTensors on the whole (dp_shard, tp) mesh (Replicate on dp),
+    ``fully_shard(mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))``, and the
+    activations are DTensors split by rows over dp: one logical global batch, so current scaling
+    reduces activation amaxes over dp as well and the run is one process on the whole batch."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp._fully_shard._fsdp_api import DataParallelMeshDims
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_shard", "tp"))
+    model = Net()
+    model.load_state_dict(init)
+    placements = {"w1": Shard(0), "w2": Shard(1), "proj": Replicate()}
+    for module in model.modules():
+        for name, tp in placements.items():
+            if isinstance(getattr(module, name, None), nn.Linear):
+                linear = getattr(module, name)
+                linear.weight = nn.Parameter(distribute_tensor(linear.weight.detach(), mesh, [Replicate(), tp]))
+    outcome = te_compile.enable_fp8_all_gather(model, **_options(recipe))
+    for module in (*model.layers, model.output, model):
+        fully_shard(module, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp_shard"))
+        module.set_gradient_divide_factor(1.0)   # DTensor's gradients are already the global batch's
+        module.set_force_sum_reduction_for_comms(True)
+    for module in (*model.layers, model.output):
+        module.compile(backend="te", options={**_options(recipe), "mesh": mesh})
+    opt = _optimizer(model)
+    losses = []
+    for step in range(STEPS):
+        loss = _loss(model(distribute_tensor(_global_batch(step), mesh, [Shard(0), Replicate()])))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item())
+    sites = {s.fqn: s.collectives for s in te_compile.report().sites if s.op == "linear" and s.rewritten}
+    return dict(losses=losses, outcome=outcome, sites=sites)
+
+
 def _errors(rank: int) -> dict:
     """Config errors at compile on a 3-D (pp, dp, tp) mesh, what "auto" resolves to there, and a TP
     plan that cuts MXFP8's blocks."""
@@ -346,13 +386,14 @@ def _worker(rank: int, checkpoint: str) -> dict:
             out[(layout, recipe)] = _train(layout, recipe, init, checkpoint if saving else "")
         # one process, on rank 0 only (the others would compute the same; delayed scaling: a step
         # more, to compare with the resumed run)
-        micro = {"DelayedScaling": (1,), "Float8CurrentScaling": (2, 4), "MXFP8BlockScaling": (2, 4)}[recipe]
+        micro = {"DelayedScaling": (1,), "Float8CurrentScaling": (1, 2, 4), "MXFP8BlockScaling": (2, 4)}[recipe]
         for m in micro if rank == 0 else ():
             out[("reference", recipe, m)] = _reference(recipe, init, m, STEPS + (recipe == "DelayedScaling"))
     out["resumed"] = _resume(checkpoint, out[("fsdp_tp", "DelayedScaling")]["state"])
     for recipe, schedule in SCHEDULES:
         out[("pp", recipe, schedule)] = _pipeline(recipe, schedule, init)
     out[("hsdp_tp", "DelayedScaling")] = _train("hsdp_tp", "DelayedScaling", init)
+    out["spmd"] = _spmd("Float8CurrentScaling", init)
     return out
 
 
@@ -533,3 +574,18 @@ def test_hsdp_with_tp_on_a_3d_mesh(nd):
         assert rows["layers.0.w1"] == "amax history all-reduce over dp_replicate_tp (4 ranks), one per graph and step"
         states.append(r["state"])
     assert all(torch.equal(state[k], states[0][k]) for state in states for k in states[0])
+
+
+def test_fully_shard_with_dp_mesh_dims_is_one_process_on_the_global_batch(nd):
+    """The SPMD form with FP8 all-gather, current scaling: the activations are one DTensor, so their
+    amaxes are all-reduced over dp too, and the losses are those of one process on the whole batch."""
+    ref_losses, _ = nd[0][("reference", "Float8CurrentScaling", 1)]
+    for rank in nd:
+        r = rank["spmd"]
+        assert r["losses"] == pytest.approx(ref_losses[:STEPS], rel=1e-6), (r["losses"], ref_losses)
+        assert set(r["outcome"].values()) == {"FP8 all-gather"}, r["outcome"]
+        assert r["sites"]["layers.0.w1"] == ("amax all-reduce over dp_shard (2 ranks): input, grad_output; "
+                                             "amax all-reduce over tp (2 ranks): grad_output")
+        assert r["sites"]["layers.0.w2"] == ("amax all-reduce over dp_shard (2 ranks): input, grad_output; "
+                                             "amax all-reduce over tp (2 ranks): input")
+        assert r["sites"]["output.proj"] == "amax all-reduce over dp_shard (2 ranks): input, grad_output"
