@@ -177,9 +177,9 @@ def resolve_amax_group(spec: Any, mesh: Any = None, pipeline_dims: Sequence[str]
                          f"the group (dist.new_group returned NON_GROUP_MEMBER on this rank); every rank "
                          f"that runs the model must be in its amax group")
     if isinstance(spec, str) and spec == "auto":
-        root = None if mesh is None else mesh._get_root_mesh()
-        if root is None or (root.ndim == 1 and not root.mesh_dim_names):
-            return _group(dist.group.WORLD, "world") if root is None else mesh_dim_group(root, 0)
+        if mesh is None:
+            return _group(dist.group.WORLD, "world")
+        root = mesh._get_root_mesh()
         if not root.mesh_dim_names:
             return _single(mesh_dims_group(root, range(root.ndim)), "the mesh")
         names = [n for n in root.mesh_dim_names if n not in pipeline_dims]

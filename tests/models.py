@@ -69,3 +69,26 @@ class TinyGPT(nn.Module):
 
 
 LINEARS_PER_BLOCK = 4  # attn.qkv, attn.proj, mlp.fc, mlp.proj
+
+
+# The activation between an MLP's two linears, by name: f(h = up(x), g = gate(x), or None)
+ACTIVATIONS = {
+    "gelu": lambda h, g: F.gelu(h),
+    "gelu_tanh": lambda h, g: F.gelu(h, approximate="tanh"),
+    "relu": lambda h, g: torch.relu(h),
+    "relu2": lambda h, g: F.relu(h) ** 2,
+    "swiglu": lambda h, g: F.silu(g) * h,
+}
+
+
+class ActivationMLP(nn.Module):
+    """up (and gate, for SwiGLU) -> ``ACTIVATIONS[kind]`` -> down: [..., d] -> [..., hidden] -> [..., d]."""
+
+    def __init__(self, kind: str, d: int = 32, hidden: int = 64) -> None:
+        super().__init__()
+        self.kind = kind
+        self.up, self.gate, self.down = nn.Linear(d, hidden), nn.Linear(d, hidden, bias=False), nn.Linear(hidden, d)
+
+    def forward(self, x):
+        gate = self.gate(x) if self.kind == "swiglu" else None
+        return self.down(ACTIVATIONS[self.kind](self.up(x), gate))

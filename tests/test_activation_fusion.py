@@ -12,28 +12,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import te_compile
+from models import ACTIVATIONS, ActivationMLP
 from utils import assert_bitwise_equal
 
 D, H = 32, 64
-ACTS = {
-    "gelu": lambda h, g: F.gelu(h),
-    "gelu_tanh": lambda h, g: F.gelu(h, approximate="tanh"),
-    "relu": lambda h, g: torch.relu(h),
-    "relu2": lambda h, g: F.relu(h) ** 2,
-    "swiglu": lambda h, g: F.silu(g) * h,
-}
 OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "swiglu": "swiglu"}
-
-
-class MLP(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.up, self.gate, self.down = nn.Linear(D, H), nn.Linear(D, H, bias=False), nn.Linear(H, D)
-
-    def forward(self, x):
-        gate = self.gate(x) if self.kind == "swiglu" else None
-        return self.down(ACTS[self.kind](self.up(x), gate))
 
 
 def _run(model, x, **options):
@@ -56,10 +39,10 @@ def _assert_same(a, b):
 
 
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
-@pytest.mark.parametrize("kind", list(ACTS))
+@pytest.mark.parametrize("kind", list(ACTIVATIONS))
 def test_fused_activation_is_bit_exact_with_the_unfused_path(kind, recipe):
     torch.manual_seed(0)
-    base = MLP(kind)
+    base = ActivationMLP(kind, D, H)
     x = torch.randn(2, 8, D)
     fused = _run(copy.deepcopy(base), x, recipe=recipe, compiler="aot_eager")
     [row] = fused[3]
@@ -73,7 +56,7 @@ def test_fused_activation_is_bit_exact_with_the_unfused_path(kind, recipe):
 
 def test_fused_swiglu_under_inductor_is_bit_exact():
     torch.manual_seed(0)
-    base = MLP("swiglu")
+    base = ActivationMLP("swiglu", D, H)
     x = torch.randn(4, 16, D)
     _assert_same(_run(copy.deepcopy(base), x, recipe="Float8CurrentScaling"),
                  _run(copy.deepcopy(base), x, recipe="Float8CurrentScaling", rewrite={"activation": False}))

@@ -12,28 +12,16 @@ import copy
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import te_compile
 from te_compile.config import ConfigError, config_from_dict
 from te_compile.models import Experts
 from te_compile.recipe import DelayedScaling, Float8BlockScaling, Float8CurrentScaling, MXFP8BlockScaling
+from models import ActivationMLP
 from utils import assert_bitwise_equal, assert_sqnr_at_least, sqnr
 
 D, H = 32, 64
 RECIPES = ["Float8CurrentScaling", "DelayedScaling"]
-
-
-class MLP(nn.Module):
-    def __init__(self, kind: str) -> None:
-        super().__init__()
-        self.kind = kind
-        self.up, self.gate, self.down = nn.Linear(D, H), nn.Linear(D, H, bias=False), nn.Linear(H, D)
-
-    def forward(self, x):
-        if self.kind == "swiglu":
-            return self.down(F.silu(self.gate(x)) * self.up(x))
-        return self.down(F.gelu(self.up(x)))
 
 
 def _saved(fn):
@@ -82,7 +70,7 @@ def test_only_the_per_tensor_recipes_take_the_option_and_configs_name_it():
 @pytest.mark.parametrize("kind", ["swiglu", "gelu"])
 def test_dense_forward_keeps_its_bytes_and_backward_reads_the_fp8_input(kind, recipe):
     torch.manual_seed(0)
-    base, x = MLP(kind), torch.randn(4, 8, D)
+    base, x = ActivationMLP(kind, D, H), torch.randn(4, 8, D)
     outs, grads, saved, row = _dense(copy.deepcopy(base), x, recipe, True)
     plain_outs, plain_grads, plain_saved, plain_row = _dense(copy.deepcopy(base), x, recipe, False)
     assert row.rewritten and row.reason == "fused into down; input saved for backward in FP8 (fp8_activation_input)"

@@ -210,25 +210,32 @@ def _ep_reference(options) -> tuple[list[float], dict]:
     return losses, te_compile.recipe_state_dict(model)
 
 
-def _ep_worker(rank: int, options) -> dict:
-    torch.manual_seed(0)
-    torch._dynamo.reset()
-    te_compile.reset()
-    model = ExpertParallelNet(MoENet(EP_EXPERTS, EP_HEAD), rank)
-    model.moe.compile(backend="te", options=options)
+def _train_expert_parallel(model: nn.Module, rank: int) -> list:
+    """STEPS AdamW steps of an expert-parallel model on this rank's batches, the parameters outside
+    the experts data parallel (their gradients summed by hand); the global loss of each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
     losses = []
     for step in range(STEPS):
         loss = model(_batch(rank, step)) / WORLD
         loss.backward()
-        for p in replicated:   # data parallel outside the experts
+        for p in replicated:
             dist.all_reduce(p.grad)
         opt.step()
         opt.zero_grad()
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item())
+    return losses
+
+
+def _ep_worker(rank: int, options) -> dict:
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = ExpertParallelNet(MoENet(EP_EXPERTS, EP_HEAD), rank)
+    model.moe.compile(backend="te", options=options)
+    losses = _train_expert_parallel(model, rank)
     report = [(s.fqn, s.op, s.rewritten, s.reason) for s in te_compile.report().sites]
     return {"losses": losses, "report": report, "state": te_compile.recipe_state_dict(model)}
 
@@ -319,21 +326,9 @@ def _titan_ep_worker(rank: int, options, loop: bool = False) -> dict:
     model = TitanEPNet(MoENet(EP_EXPERTS, EP_HEAD), mesh, loop)
     # the experts' forward: the token exchange's hooks read sizes on the host
     model.moe.forward = torch.compile(model.moe.forward, backend="te", options=options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
-    losses = []
     # the loop's sizes (counts.tolist()) traced, not a graph break that would cut w[e] from its parameter
     with torch._dynamo.config.patch(capture_scalar_outputs=True):
-        for step in range(STEPS):
-            loss = model(_batch(rank, step)) / WORLD
-            loss.backward()
-            for p in replicated:
-                dist.all_reduce(p.grad)
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item())
+        losses = _train_expert_parallel(model, rank)
     report = [(s.fqn, s.op, s.rewritten, s.reason, s.collectives) for s in te_compile.report().sites]
     state = te_compile.recipe_state_dict(model)
     # a fresh model loads the rank's rows before it runs (its experts' state is made on load)

@@ -347,6 +347,23 @@ def _twins(recipe, build) -> tuple[nn.Module, nn.Module]:
     return ref, fp8
 
 
+def _train_twins(compiled: list, opts: list, rank: int) -> list:
+    """STEPS steps of the reference and the FP8-weight model on this rank's batches: per step the
+    pair of losses."""
+    losses = []
+    for step in range(STEPS):
+        gen = torch.Generator().manual_seed(100 * step + rank)
+        x, target = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
+        pair = []
+        for model, opt in zip(compiled, opts):
+            loss = nn.functional.mse_loss(model(x), target)
+            loss.backward()
+            opt.step()
+            pair.append(loss.detach())
+        losses.append(pair)
+    return losses
+
+
 def _parity_rank(rank: int, names) -> dict:
     out = {}
     for name in names:
@@ -355,17 +372,7 @@ def _parity_rank(rank: int, names) -> dict:
         opts = [MiniZero(list(m.parameters()), lr=0.5) for m in (ref, fp8)]
         options = {"recipe": name, "compiler": "aot_eager"}
         compiled = [torch.compile(m, backend=te_compile.backend(**options)) for m in (ref, fp8)]
-        losses = []
-        for step in range(STEPS):
-            gen = torch.Generator().manual_seed(100 * step + rank)
-            x, target = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
-            pair = []
-            for model, opt in zip(compiled, opts):
-                loss = nn.functional.mse_loss(model(x), target)
-                loss.backward()
-                opt.step()
-                pair.append(loss.detach())
-            losses.append(pair)
+        losses = _train_twins(compiled, opts, rank)
         out[name] = {"losses": losses, "types": [type(p) for p in fp8.parameters()]}
     return out
 
@@ -439,17 +446,7 @@ def _expert_parity_rank(rank: int, names) -> dict:
         opts = [MiniZero(list(m.parameters()), lr=0.5) for m in (ref, fp8)]
         te_compile.reset()
         compiled = [torch.compile(m, backend=te_compile.backend(recipe=name, compiler="aot_eager")) for m in (ref, fp8)]
-        losses = []
-        for step in range(STEPS):
-            gen = torch.Generator().manual_seed(100 * step + rank)
-            x, target = torch.randn(16, 64, generator=gen), torch.randn(16, 64, generator=gen)
-            pair = []
-            for model, opt in zip(compiled, opts):
-                loss = nn.functional.mse_loss(model(x), target)
-                loss.backward()
-                opt.step()
-                pair.append(loss.detach())
-            losses.append(pair)
+        losses = _train_twins(compiled, opts, rank)
         # the one expert split between the ranks: its master range on this rank
         split = opts[1].masters[1]
         out[name] = {"losses": losses, "grouped": [isinstance(p, GroupedFloat8Tensor) for p in fp8.parameters()],

@@ -106,6 +106,17 @@ def count_all_gathers() -> _AllGathers:
     return _AllGathers()
 
 
+def gather_in_fp8(model: torch.nn.Module, rank: int, options: dict) -> dict:
+    """``te_compile.enable_fp8_all_gather(model, **options)``; rank 0 prints how many linears gather in
+    FP8 and why the others do not. Returns what it did per weight."""
+    outcome = te_compile.enable_fp8_all_gather(model, **options)
+    if rank == 0:
+        fp8 = [fqn for fqn, what in outcome.items() if what.startswith("FP8 all-gather")]
+        print(f"FP8 all-gather: {len(fp8)} of {len(outcome)} weights; " + "; ".join(
+            f"{fqn}: {what}" for fqn, what in outcome.items() if fqn not in fp8), flush=True)
+    return outcome
+
+
 def print_amax_groups() -> None:
     """The report's collectives column, tallied: how many sites reduce their amaxes over which group."""
     tally: dict[str, int] = {}

@@ -18,7 +18,6 @@ would move, and checks that all ranks keep the same recipe state. CPU (gloo) or 
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -26,7 +25,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 import te_compile
 from te_compile.models import gpt_small
 
-from _common import count_all_gathers, finish, print_amax_groups, setup, train
+from _common import count_all_gathers, finish, gather_in_fp8, print_amax_groups, setup, train
 
 STEPS = 10
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
@@ -50,10 +49,7 @@ model = gpt_small().to(device)
 for block in model.blocks:
     parallelize_module(block.mlp, mesh["tp"], {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
 if args.gather == "fp8":
-    outcome = te_compile.enable_fp8_all_gather(model, **OPTIONS)
-    if rank == 0:
-        print(f"FP8 all-gather: {sum(what == 'FP8 all-gather' for what in outcome.values())} of {len(outcome)} "
-              f"linears; " + "; ".join(f"{f}: {w}" for f, w in outcome.items() if w != "FP8 all-gather"))
+    gather_in_fp8(model, rank, OPTIONS)
 for block in model.blocks:
     block.compile(backend=te_compile.backend(**OPTIONS))
     fully_shard(block, mesh=mesh["dp_shard"])

@@ -34,7 +34,7 @@ from te_compile.models import gpt_small
 from te_compile.tensor import QuantizedTensor
 from te_compile.tensor.utils import cast_master_weights_to_fp8
 
-from _common import finish, setup, train
+from _common import finish, gather_in_fp8, setup, train
 
 STEPS = 10
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling", "Float8BlockScaling")
@@ -115,11 +115,7 @@ policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.flo
     else MixedPrecisionPolicy()
 if args.gather == "fp8" and not args.fp8_weights:
     # once for the whole model: one amax all-reduce per step serves every block's weights
-    outcome = te_compile.enable_fp8_all_gather(model, **OPTIONS)
-    if rank == 0:
-        fp8 = [fqn for fqn, what in outcome.items() if what == "FP8 all-gather"]
-        print(f"FP8 all-gather: {len(fp8)} linears; " + "; ".join(
-            f"{fqn}: {what}" for fqn, what in outcome.items() if fqn not in fp8))
+    gather_in_fp8(model, rank, OPTIONS)
 for block in model.blocks:
     block.compile(backend=te_compile.backend(**OPTIONS))   # sites keep their model names (blocks.0...)
     fully_shard(block, mp_policy=policy)

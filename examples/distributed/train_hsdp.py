@@ -20,7 +20,7 @@ from torch.distributed.fsdp import fully_shard
 import te_compile
 from te_compile.models import gpt_small
 
-from _common import count_all_gathers, finish, print_amax_groups, setup, train
+from _common import count_all_gathers, finish, gather_in_fp8, print_amax_groups, setup, train
 
 STEPS = 10
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
@@ -41,10 +41,7 @@ gathered = count_all_gathers()
 torch.manual_seed(0)
 model = gpt_small().to(device)
 if args.gather == "fp8":
-    outcome = te_compile.enable_fp8_all_gather(model, **OPTIONS)
-    if rank == 0:
-        print(f"FP8 all-gather: {sum(what == 'FP8 all-gather' for what in outcome.values())} of {len(outcome)} "
-              f"linears; " + "; ".join(f"{f}: {w}" for f, w in outcome.items() if w != "FP8 all-gather"))
+    gather_in_fp8(model, rank, OPTIONS)
 for block in model.blocks:
     # the mesh is named for "auto" (and for amax_group = ["dp_replicate", "dp_shard"]): the graphs of a
     # model without DTensors cannot see it

@@ -267,10 +267,9 @@ def advance_delayed_state() -> int:
     entries = list(_PENDING.values())
     _PENDING.clear()
     amaxes = reduce_amaxes([e.amax for e in entries], [e.groups for e in entries])
+    # the backward's own update, over every pending state at once (one multi-tensor op)
+    spec = UpdateSpec(tuple(e.recipe for e in entries), (), roles=tuple(e.roles for e in entries),
+                      experts=tuple(e.experts for e in entries))
     with torch.no_grad():
-        for entry, amax in zip(entries, amaxes):
-            rows = max(1, entry.experts)
-            for r, role in enumerate(entry.roles):
-                history, scale = entry.tensors[2 * r], entry.tensors[2 * r + 1]
-                update_role_state(history, scale, amax[r * rows:(r + 1) * rows], role, entry.recipe)
+        _update_states(spec, [t for e in entries for t in e.tensors], list(range(len(entries))), amaxes)
     return len(entries)
