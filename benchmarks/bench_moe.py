@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from typing import Callable, Optional
 
 import torch
@@ -42,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import _common  # noqa: E402
 import te_compile  # noqa: E402
 from te_compile.cli import _saved_for_backward_bytes  # noqa: E402
+from te_compile.gemm.grouped import pad_groups  # noqa: E402
 from te_compile.models import Experts  # noqa: E402
 
 # name -> (experts, top-k, hidden, ffn, tokens), per device
@@ -60,6 +62,9 @@ class MoELayer(nn.Module):
     def __init__(self, experts: int, top_k: int, hidden: int, ffn: int) -> None:
         super().__init__()
         self.top_k = top_k
+        # rows per expert group: torchao's FP8 grouped GEMM needs every group a multiple of 16 rows, and
+        # torchtitan pads the permuted tokens for it; te pads inside its lowering, so 1 elsewhere
+        self.align = 1
         self.router = nn.Linear(hidden, experts, bias=False)
         self.experts = Experts(experts, hidden, ffn)
         for p in self.experts.parameters():
@@ -71,7 +76,15 @@ class MoELayer(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.zeros(self.router.out_features, dtype=torch.int64, device=x.device)
         counts = counts.scatter_add(0, flat, torch.ones_like(flat))
-        routed = self.experts(x[order // self.top_k], counts) * weights.reshape(-1)[order, None]
+        tokens = x[order // self.top_k]
+        if self.align > 1:   # zero rows after each group, on the device (te's own padding code)
+            dest, padded_offs, rows = pad_groups(torch.cumsum(counts, 0, dtype=torch.int32), tokens.shape[0],
+                                                 self.align)
+            tokens = tokens.new_zeros(rows, tokens.shape[1]).index_copy(0, dest, tokens)
+            out = self.experts(tokens, torch.diff(padded_offs, prepend=padded_offs.new_zeros(1))).index_select(0, dest)
+        else:
+            out = self.experts(tokens, counts)
+        routed = out * weights.reshape(-1)[order, None]
         y = torch.zeros_like(x).index_add(0, order // self.top_k, routed)
         return y, y.float().square().mean()
 
@@ -82,23 +95,27 @@ def _torchao_moe(model: MoELayer) -> MoELayer:
 
     # quantize_'s default filter takes nn.Linear modules only: name the experts, as torchtitan does
     quantize_(model, Float8TrainingOpConfig(), filter_fn=lambda module, fqn: isinstance(module, Experts))
+    model.align = 16
     return model
 
 
-def _providers(device: torch.device, recipes) -> list[tuple[str, Callable, str]]:
+def _providers(device: torch.device, recipes, args) -> list[tuple[str, Callable, str]]:
     """(name, model -> step callable's model, note)."""
     out = [("inductor", lambda m: torch.compile(m, dynamic=False), "torch.compile, experts in bf16")]
     for recipe in recipes:
         options = dict(_common.TE_RECIPES.get(recipe, {}), recipe=recipe)
         variants = [(f"te {recipe}", options, "")]
-        if recipe in PER_TENSOR:   # the SwiGLU's inputs saved in FP8 (DeepSeek-V3's trade)
+        if recipe in PER_TENSOR and args.e4m3_grads:
+            # HYBRID's E5M2 gradients have no native grouped GEMM (torch._scaled_grouped_mm is E4M3 x E4M3)
+            variants.append((f"te {recipe} E4M3 grads", dict(options, fp8_format="E4M3"), "fp8_format = E4M3"))
+        if recipe in PER_TENSOR and not args.no_fp8_act_input:   # the SwiGLU's inputs saved in FP8
             variants.append((f"te {recipe} +fp8 act input", dict(options, fp8_activation_input=True),
                              "fp8_activation_input = true"))
         for name, o, note in variants:
             out.append((name, lambda m, o=o: torch.compile(m, backend=te_compile.backend(**o), dynamic=False), note))
     if _common.torchao_available():
         out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(_torchao_moe(m), dynamic=False),
-                    "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs)"))
+                    "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs); groups padded to 16 rows"))
     else:
         out.append(("torchao MoE float8 rowwise", None, _common.TORCHAO_MISSING))
     return out
@@ -112,7 +129,7 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
     # three GEMMs of [tokens * k, hidden] x [hidden, ffn] (or back), forward and two backward each
     flops = 6.0 * 3 * tokens * top_k * hidden * ffn
     rows, baseline, baseline_bytes = [], None, None
-    for provider, prepare, note in _providers(device, recipes):
+    for provider, prepare, note in _providers(device, recipes, args):
         row = {"shape": name, "provider": provider, "ms": None, "vs inductor": None, "TFLOP/s": None,
                "first s": None, "saved MiB": None, "saved vs inductor": None, "expert sites": "", "note": note}
         rows.append(row)
@@ -128,6 +145,7 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
             first, median = _common.time_step(step, device, args.iters, args.warmup)
             saved = _saved_for_backward_bytes(model, x, None)
         except Exception as e:   # one provider failing must not hide the others
+            traceback.print_exc()   # the whole traceback on stderr: a lent GPU's log is all there is
             row["note"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:100]}" if str(e).strip() \
                 else f"failed: {type(e).__name__}"
             continue
@@ -151,6 +169,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=tuple(SHAPES["cpu"]), default=list(SHAPES["cpu"]))
     parser.add_argument("--recipes", nargs="+", choices=TE_RECIPES, default=list(TE_RECIPES[:2]),
                         help="te recipes (default: Float8CurrentScaling DelayedScaling)")
+    parser.add_argument("--e4m3-grads", action="store_true",
+                        help="also run each per-tensor recipe with fp8_format = E4M3 (gradients in E4M3)")
+    parser.add_argument("--no-fp8-act-input", action="store_true",
+                        help="skip the fp8_activation_input rows")
     _common.add_common_args(parser)
     args = parser.parse_args()
     device = _common.resolve_device(args)

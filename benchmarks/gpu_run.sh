@@ -13,6 +13,10 @@
 #                                         # each under its own timeout so a slow part cannot eat the rest
 #   bash benchmarks/gpu_run.sh lease-2    # the next lease: tests again, FP8 attention, then suite-c
 #   bash benchmarks/gpu_run.sh moe        # bench_moe.py at the Mixtral-like and small-expert shapes
+#   bash benchmarks/gpu_run.sh lease-3    # the third lease: the GPT block step (te's rows failed to compile
+#                                         # on the first run), MoE at both shapes, the kernel tests again
+#   bash benchmarks/gpu_run.sh lease-4    # MoE at both shapes again (E5M2 gradients through the bf16 grouped
+#                                         # GEMM, torchao with padded groups), then where the block step's time goes
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -23,8 +27,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|moe) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|moe" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|moe) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|moe" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -69,6 +73,45 @@ case "$part" in
             "$PY" benchmarks/profile_step.py --recipe "$recipe" 2>&1 | tee "$OUT/profile-$recipe.txt" | tail -45
         done
         "$PY" benchmarks/bench_attention.py --device cuda 2>&1 | tee "$OUT/attention.txt" | tail -20
+        ;;
+    lease-3|lease-4)
+        # 8 files come back at most: env, install, block, moe (two shapes), tests / profiles
+        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
+                >> "$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
+        fi
+        if [ "$part" = lease-4 ]; then
+            for shape in mixtral small; do
+                start=$SECONDS
+                timeout $([ $shape = mixtral ] && echo 110 || echo 90) "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes "${shape/small/small experts}" \
+                    --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-$shape.txt" 2>&1
+                echo "moe $shape: rc $? in $((SECONDS - start)) s"; tail -9 "$OUT/moe-$shape.txt"
+            done
+            for recipe in inductor Float8CurrentScaling; do
+                start=$SECONDS
+                (cd benchmarks && timeout 75 "$PY" profile_step.py --recipe "$recipe" --top 25) > "$OUT/profile-$recipe.txt" 2>&1
+                echo "profile $recipe: rc $? in $((SECONDS - start)) s"; tail -32 "$OUT/profile-$recipe.txt"
+            done
+            exit 0
+        fi
+        start=$SECONDS
+        timeout 170 "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
+            --recipes Float8CurrentScaling DelayedScaling > "$OUT/block.txt" 2>&1
+        echo "block: rc $? in $((SECONDS - start)) s"; grep -vE "^\s*(File|\^)" "$OUT/block.txt" | tail -22
+        start=$SECONDS
+        timeout 150 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes mixtral \
+            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-mixtral.txt" 2>&1
+        echo "moe mixtral: rc $? in $((SECONDS - start)) s"; tail -14 "$OUT/moe-mixtral.txt"
+        start=$SECONDS
+        timeout 120 "$PY" -m pytest -q -rfEs -n 8 -p no:cacheprovider tests/test_kernel_*.py tests/test_fp_bits.py \
+            tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py tests/test_fp8_attention.py \
+            tests/test_kernels_compile.py tests/test_experiment_*.py > "$OUT/tests.log" 2>&1
+        echo "tests: rc $? in $((SECONDS - start)) s"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
+        grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -15
+        start=$SECONDS
+        timeout 90 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes "small experts" \
+            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-small.txt" 2>&1
+        echo "moe small: rc $? in $((SECONDS - start)) s"; tail -10 "$OUT/moe-small.txt"
         ;;
     lease|lease-2)
         # torchao (carried as a wheel in .whl, see the device tool's README) for the linear rows

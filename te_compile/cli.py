@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from tabulate import tabulate
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 if TYPE_CHECKING:
     from .report import Report
@@ -156,6 +157,19 @@ class _Progress:
         self._emit(f"{self.label}  step {step:>4}/{self.total}  loss {loss:.4f}  {rate}", final=last)
 
 
+def _storages(t: torch.Tensor) -> list[tuple[int, int]]:
+    """(data pointer, bytes) of each storage behind ``t``: a wrapper subclass's (te's FP8 weights,
+    torchao's) are its inner tensors'; its own storage is a placeholder with no data pointer."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()
+        return [key for name in names for key in _storages(getattr(t, name))]
+    try:
+        storage = t.untyped_storage()
+        return [(storage.data_ptr(), storage.nbytes())]
+    except (RuntimeError, NotImplementedError):   # an opaque subclass: counted once, by identity
+        return [(id(t), t.numel() * t.element_size())]
+
+
 def _saved_for_backward_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor) -> int:
     """Bytes of the distinct storages one training step saves for backward, excluding what lives
     across steps anyway: parameters, buffers and delayed scaling's state (its amax histories are
@@ -168,17 +182,13 @@ def _saved_for_backward_bytes(model: torch.nn.Module, x: torch.Tensor, y: torch.
     from .state import state_tensors
 
     persistent = [*model.parameters(), *model.buffers(), *state_tensors(model)]
-    params = {t.untyped_storage().data_ptr() for t in persistent}
+    params = {key for t in persistent for key, _ in _storages(t)}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        try:
-            storage = t.untyped_storage()
-            key, nbytes = storage.data_ptr(), storage.nbytes()
-        except (RuntimeError, NotImplementedError):  # a wrapper subclass without one storage
-            key, nbytes = id(t), t.numel() * t.element_size()
-        if key not in params:
-            storages[key] = nbytes
+        for key, nbytes in _storages(t):
+            if key not in params:
+                storages[key] = nbytes
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):

@@ -267,3 +267,28 @@ def test_val_split_is_held_out():
     assert bytes(val[:64].tolist()) == corpus_bytes()[len(train):len(train) + 64]
     x, _ = get_batch("val", 2, 32, torch.Generator().manual_seed(0))
     assert x.shape == (2, 32)
+
+
+def test_saved_bytes_count_fp8_primary_weights_inner_storages_as_parameters():
+    """A wrapper subclass (FP8 primary weights; torchao's weights) has a placeholder storage without a
+    data pointer: the measure reads its inner tensors, and still excludes the weights."""
+    from te_compile.cli import _saved_for_backward_bytes
+    from te_compile.primary_weights import quantized_model_init
+    from te_compile.recipe import Float8CurrentScaling
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(64, 32, bias=False)
+
+        def forward(self, x, y):
+            out = self.lin(x)
+            return out, (out - y).square().mean()
+
+    with quantized_model_init(recipe=Float8CurrentScaling()):
+        net = Net()
+    x, y = torch.randn(16, 64), torch.randn(16, 32)
+    saved = _saved_for_backward_bytes(net, x, y)
+    # x (16 x 64 fp32), the eager linear's dequantized weight (32 x 64 fp32) and the loss's [16, 32]
+    # activations at most (the measure raised on the weight before)
+    assert 16 * 64 * 4 <= saved <= 16 * 64 * 4 + 32 * 64 * 4 + 3 * 16 * 32 * 4, saved

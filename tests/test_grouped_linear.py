@@ -9,7 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import te_compile
-from te_compile.gemm.grouped import grouped_mm_f32, grouped_mm_f32_reference, pad_groups, scaled_grouped_mm
+from te_compile.gemm import grouped
+from te_compile.gemm.grouped import (group_index, grouped_mm_f32, grouped_mm_f32_reference, pad_groups,
+                                     scaled_grouped_mm)
 from te_compile.lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from te_compile.quantization import quantize_copies, quantize_per_tensor, quantizer_factory
 from te_compile.lowerings.linear import LinearLowering, LinearSpec
@@ -90,7 +92,7 @@ def test_pad_groups_places_each_group_at_an_aligned_start_without_overlap(counts
     offs = _offs(counts)
     rows = sum(counts) + TAIL
     dest, padded_offs, padded_rows = pad_groups(offs, rows, 16)
-    assert padded_rows == rows + E * 15
+    assert padded_rows % 16 == 0 and rows + E * 15 <= padded_rows < rows + E * 15 + 16
     assert all(int(o) % 16 == 0 for o in padded_offs), padded_offs
     assert len(set(dest.tolist())) == rows and int(dest.max()) < padded_rows
     starts = [0, *padded_offs[:-1].tolist()]
@@ -110,6 +112,31 @@ def test_scaled_grouped_mm_applies_row_and_column_scales_to_the_fp32_product():
     rows = slice(5, 22)
     expected = ((a[rows].float() @ b[2].float()) * sa[rows, None] * sb[2]).to(torch.bfloat16)
     assert_bitwise_equal(out[rows], expected)
+
+
+@pytest.mark.parametrize("form", ["2d x 3d", "2d x 2d"])
+def test_scaled_grouped_mm_of_e5m2_through_the_bf16_grouped_gemm_rounds_once_more(monkeypatch, form):
+    """CUDA's route for E5M2 operands (torch._grouped_mm of the FP8 values in bf16, scales after), run
+    on the CPU's torch._grouped_mm: the accumulator rounded to bf16, then the scaled product."""
+    gen = seed(4)
+    offs = _offs([16, 0, 32, 16])
+    m = int(offs[-1])
+    if form == "2d x 3d":
+        a = torch.randn(m, K, generator=gen).to(torch.float8_e5m2)
+        b = torch.randn(len(offs), K, N, generator=gen).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(m, generator=gen) + 0.5, torch.rand(len(offs), N, generator=gen) + 0.5
+        scale = lambda acc: acc * sa[:, None] * sb[group_index(offs, m).clamp(max=len(offs) - 1)]
+    else:
+        a = torch.randn(N, m, generator=gen).to(torch.float8_e5m2)
+        b = torch.randn(m, K, generator=gen).to(torch.float8_e4m3fn)
+        sa, sb = torch.rand(len(offs) * N, generator=gen) + 0.5, torch.rand(len(offs) * K, generator=gen) + 0.5
+        scale = lambda acc: acc * sa.view(len(offs), -1, 1) * sb.view(len(offs), 1, -1)
+    exact = scaled_grouped_mm(a, b, sa, sb, offs, torch.bfloat16)
+    monkeypatch.setattr(grouped, "uses_bf16_grouped_gemm", lambda *args: True)
+    out = scaled_grouped_mm(a, b, sa, sb, offs, torch.bfloat16)
+    acc16 = grouped_mm_f32_reference(a, b, offs).to(torch.bfloat16).float()
+    assert_bitwise_equal(out, scale(acc16).to(torch.bfloat16))
+    assert sqnr(out, exact) > 45   # one bf16 rounding more than the scaled op's
 
 
 # ---- the lowering ---------------------------------------------------------------------------------

@@ -10,13 +10,21 @@ The forms, named as torch names them (E experts, M token rows, groups contiguous
 per-expert tensor scale is that vector filled with the expert's value, so one contract serves the
 per-tensor recipes and a later rowwise one.
 
-What runs: on CUDA sm90 with both operands E4M3 and a bf16 output, ``torch._scaled_grouped_mm``
-(CUTLASS: fp32 accumulation, the scales applied to the accumulator, one rounding to bf16), with
-every group's rows padded to a multiple of 16 first (``pad_groups``). Everywhere else (CPU, E5M2
-gradients, fp32 / fp16 outputs) the same arithmetic in two steps: ``te_compile::grouped_mm_f32``, an
-opaque op that multiplies the FP8 values group by group in fp32, then the scales and the cast as
-plain tensor ops, which inductor fuses into the neighbours. The op reads the group ends on the host
-(one sync per call, as TransformerEngine's GroupedLinear does); the native path never does.
+What runs:
+- CUDA sm90, both operands E4M3, a bf16 output: ``torch._scaled_grouped_mm`` (CUTLASS: fp32
+  accumulation, the scales applied to the accumulator, one rounding to bf16), with every group's rows
+  padded to a multiple of 16 first (``pad_groups``).
+- CUDA sm90/sm100, E5M2 operands (HYBRID's gradients), a bf16 output: torch has no scaled grouped GEMM
+  of E5M2, so the FP8 values go to bf16 (exact: E4M3 and E5M2 fit in bf16's 8 exponent and 7 mantissa
+  bits) and through ``torch._grouped_mm`` (CUTLASS bf16, fp32 accumulation, no host sync); the scales
+  are applied to its bf16 output. That is one rounding more than the scaled op (accumulator to bf16,
+  then the scaled product to bf16). A first H100 run (torch 2.11) measured the per-group fp32 loop
+  below at 8x slower than this layer in bf16.
+- Everywhere else (CPU, fp32 / fp16 outputs): the scaled op's arithmetic in two steps:
+  ``te_compile::grouped_mm_f32``, an opaque op that multiplies the FP8 values group by group in fp32,
+  then the scales and the cast as plain tensor ops, which inductor fuses into the neighbours. The op
+  reads the group ends on the host (one sync per call, as TransformerEngine's GroupedLinear does);
+  the CUDA paths above never do.
 """
 
 from __future__ import annotations
@@ -28,7 +36,8 @@ import torch
 from ..hardware import get_device_compute_capability
 
 __all__ = ["GROUP_ALIGN", "grouped_mm_f32", "grouped_mm_f32_reference", "scaled_grouped_mm", "group_index",
-           "equal_group_offsets", "pad_groups", "uses_native_grouped_gemm", "grouped_gemm_kind"]
+           "equal_group_offsets", "pad_groups", "uses_native_grouped_gemm", "uses_bf16_grouped_gemm",
+           "grouped_gemm_kind"]
 
 # torch._scaled_grouped_mm (CUTLASS, TMA loads): each group's rows a multiple of 16.
 GROUP_ALIGN = 16
@@ -96,6 +105,17 @@ def uses_native_grouped_gemm(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype
             and mat_a.dtype == mat_b.dtype == torch.float8_e4m3fn and out_dtype == torch.bfloat16)
 
 
+def uses_bf16_grouped_gemm(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Do these FP8 operands run through ``torch._grouped_mm`` in bf16 (module docstring)? CUDA sm90 or
+    sm100 (where its CUTLASS kernel runs without a host sync), a bf16 output, FP8 operands the scaled
+    op does not take (an E5M2 one)."""
+    fp8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+    return (mat_a.device.type == "cuda" and hasattr(torch, "_grouped_mm")
+            and get_device_compute_capability(mat_a.device)[0] in (9, 10)
+            and mat_a.dtype in fp8 and mat_b.dtype in fp8 and out_dtype == torch.bfloat16
+            and not uses_native_grouped_gemm(mat_a, mat_b, out_dtype))
+
+
 def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
                       offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The grouped GEMM of FP8 operands with rowwise scales (module docstring), in ``out_dtype``.
@@ -107,7 +127,12 @@ def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.T
         mat_b = mat_b.transpose(-2, -1).contiguous().transpose(-2, -1)   # copies only where not column-major
         return torch._scaled_grouped_mm(mat_a.contiguous(), mat_b, scale_a.contiguous(), scale_b.contiguous(),
                                         offs=offs, out_dtype=out_dtype)
-    acc = grouped_mm_f32(mat_a, mat_b, offs)
+    if uses_bf16_grouped_gemm(mat_a, mat_b, out_dtype):
+        # the same layouts as the scaled op: a row-major, b column-major, each 16-byte aligned
+        b16 = mat_b.to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)
+        acc = torch._grouped_mm(mat_a.to(torch.bfloat16).contiguous(), b16, offs=offs)
+    else:
+        acc = grouped_mm_f32(mat_a, mat_b, offs)
     if mat_b.dim() == 3:                                   # acc [M, N]
         groups = group_index(offs, mat_a.shape[0]).clamp(max=mat_b.shape[0] - 1)   # rows past the end are 0
         out = acc * scale_a[:, None] * scale_b[groups]
@@ -121,7 +146,8 @@ def pad_groups(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor,
     """Where each of ``rows`` token rows goes when every group is padded to a multiple of ``align``
     rows, on the device (no host sync: the padded size is the static bound rows + E * (align - 1)).
 
-    Returns (dest int64 [rows]: each row's padded position, padded offs int32 [E], padded rows). Rows
+    Returns (dest int64 [rows]: each row's padded position, padded offs int32 [E], padded rows: the
+    bound rounded up to a multiple of ``align``). Rows
     from offs[-1] on keep their distance from the end of the last group. Pad with
     ``x.new_zeros(padded, K).index_copy(0, dest, x)``; unpad with ``y.index_select(0, dest)``.
     """
@@ -132,7 +158,10 @@ def pad_groups(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor,
     # the end of the last group
     shift = torch.cat([padded_offs - padded_counts - (offs - counts), (padded_offs - offs)[-1:]])
     dest = torch.arange(rows, device=offs.device) + shift[group_index(offs, rows)]
-    return dest, padded_offs, rows + offs.shape[0] * (align - 1)
+    # a whole number of aligned rows: the wgrad reads the padded tokens transposed, [N, padded], and
+    # the grouped GEMMs want every row stride a multiple of 16 bytes
+    bound = rows + offs.shape[0] * (align - 1)
+    return dest, padded_offs, -(-bound // align) * align
 
 
 def grouped_gemm_kind(out_dtype: Optional[torch.dtype], device: torch.device) -> str:
@@ -140,7 +169,7 @@ def grouped_gemm_kind(out_dtype: Optional[torch.dtype], device: torch.device) ->
     if device.type == "cuda" and get_device_compute_capability(device)[0] == 9:
         if out_dtype == torch.bfloat16:
             return ("FP8 grouped GEMMs (torch._scaled_grouped_mm for E4M3 x E4M3, groups padded to 16 rows; "
-                    "E5M2 gradients: per-group fp32 emulation, one host sync)")
+                    "E5M2 gradients: their values in bf16 through torch._grouped_mm, scales after)")
         return "FP8 grouped GEMMs (emulated: torch._scaled_grouped_mm gives bf16 only; one host sync a GEMM)"
     if device.type == "cpu":
         return "FP8 grouped GEMMs (CPU: per-expert fp32 products of the FP8 values, scales applied after, " \

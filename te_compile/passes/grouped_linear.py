@@ -8,7 +8,7 @@ from typing import Optional
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..distributed import is_dtensor
-from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_native_grouped_gemm
+from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_bf16_grouped_gemm, uses_native_grouped_gemm
 from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
 from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
@@ -61,13 +61,15 @@ def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
 
 
 def _align(site: GroupedSite, recipe: Recipe) -> int:
-    """Rows per group the forward GEMM needs: the native grouped GEMM's 16 where it runs, else 1."""
+    """Rows per group the GEMMs need: 16 where a CUTLASS grouped GEMM runs them (torch's scaled one, or
+    its bf16 one for FP8 operands the scaled one does not take), else 1."""
     if not recipe.per_tensor:
         return 1   # no native grouped GEMM of the block formats is wired
     x = value_of(site.x)
     fp8 = recipe.fp8_format.dtype_for("input")
     probe = x.new_empty((), dtype=fp8) if x.device.type == "cuda" else None
-    native = probe is not None and uses_native_grouped_gemm(probe, probe, x.dtype)
+    native = probe is not None and (uses_native_grouped_gemm(probe, probe, x.dtype)
+                                    or uses_bf16_grouped_gemm(probe, probe, x.dtype))
     return GROUP_ALIGN if native else 1
 
 
