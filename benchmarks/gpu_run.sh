@@ -17,6 +17,8 @@
 #                                         # on the first run), MoE at both shapes, the kernel tests again
 #   bash benchmarks/gpu_run.sh lease-4    # MoE at both shapes again (E5M2 gradients through the bf16 grouped
 #                                         # GEMM, torchao with padded groups), then where the block step's time goes
+#   bash benchmarks/gpu_run.sh lease-5    # the next lease: the block step again (norm backward now inductor's),
+#                                         # MoE with torchao's row, and where the MoE layer's time goes
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -27,8 +29,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|moe) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|moe" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|moe) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|moe" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -73,6 +75,27 @@ case "$part" in
             "$PY" benchmarks/profile_step.py --recipe "$recipe" 2>&1 | tee "$OUT/profile-$recipe.txt" | tail -45
         done
         "$PY" benchmarks/bench_attention.py --device cuda 2>&1 | tee "$OUT/attention.txt" | tail -20
+        ;;
+    lease-5)
+        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
+                >> "$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
+        fi
+        start=$SECONDS
+        timeout 120 "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
+            --recipes Float8CurrentScaling DelayedScaling > "$OUT/block.txt" 2>&1
+        echo "block: rc $? in $((SECONDS - start)) s"; grep -E "^2x|goal|GPT block" "$OUT/block.txt" | tail -9
+        start=$SECONDS
+        timeout 110 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes mixtral \
+            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-mixtral.txt" 2>&1
+        echo "moe mixtral: rc $? in $((SECONDS - start)) s"; grep -E "^mixtral" "$OUT/moe-mixtral.txt"
+        for run in "inductor" "Float8CurrentScaling --fp8-format E4M3" "Float8CurrentScaling"; do
+            start=$SECONDS
+            name=$(echo "$run" | tr -d ' -')
+            timeout 60 "$PY" benchmarks/profile_step.py --model moe-mixtral --top 25 --recipe $run \
+                > "$OUT/profile-moe-$name.txt" 2>&1
+            echo "profile moe $run: rc $? in $((SECONDS - start)) s"; tail -8 "$OUT/profile-moe-$name.txt"
+        done
         ;;
     lease-3|lease-4)
         # 8 files come back at most: env, install, block, moe (two shapes), tests / profiles

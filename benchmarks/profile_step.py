@@ -5,6 +5,7 @@ update) rather than GEMMs and attention.
     python benchmarks/profile_step.py                         # CUDA: width 4096, 32 heads, 2 x 2048 tokens
     python benchmarks/profile_step.py --recipe DelayedScaling --top 30 --trace step.json
     python benchmarks/profile_step.py --device cpu            # tiny shapes, to keep the script working
+    python benchmarks/profile_step.py --model moe-mixtral     # bench_moe.py's MoE layer instead of the block
 
 Each kernel is put in one class by its name (first match wins): "gemm" (cuBLAS / cuBLASLt / CUTLASS
 GEMMs, ``_scaled_mm``, ``mm``), "attention" (flash / SDPA / te's FP8 attention kernels), "fp8
@@ -48,6 +49,21 @@ def classify(name: str) -> str:
     return "other"
 
 
+def _moe_step(model: str, device: torch.device, dtype: torch.dtype, prepare):
+    """bench_moe.py's MoE layer at one of its shapes: (step, title)."""
+    import bench_moe
+
+    name = {"moe-mixtral": "mixtral", "moe-small": "small experts"}[model]
+    experts, top_k, hidden, ffn, tokens = bench_moe.SHAPES[device.type][name]
+    torch.manual_seed(0)
+    layer = prepare(bench_moe.MoELayer(experts, top_k, hidden, ffn).to(device=device, dtype=dtype))
+    x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+
+    def step():
+        layer(x)[1].backward()
+    return step, f"one MoE layer ({name}: E={experts}, top-{top_k}, {hidden}x{ffn}, {tokens} tokens)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -56,16 +72,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="profiled steps, after the warm-up (default 3)")
     parser.add_argument("--top", type=int, default=20, help="kernels to list (default 20)")
     parser.add_argument("--trace", metavar="PATH", help="also write a Chrome trace")
+    parser.add_argument("--model", choices=("block", "moe-mixtral", "moe-small"), default="block",
+                        help="one GPT block with AdamW (default), or one MoE layer of bench_moe.py at its "
+                             "Mixtral-like or small-expert shape, forward + backward")
+    parser.add_argument("--fp8-format", choices=("HYBRID", "E4M3"), help="the te recipe's fp8_format")
     _common.add_common_args(parser)
     args = parser.parse_args()
     device = _common.resolve_device(args)
     dtype = _common.baseline_dtype(device)
-    b, t, c = SHAPES[device.type]
-    backend = "inductor" if args.recipe == "inductor" else te_compile.backend(recipe=args.recipe)
+    options = {} if args.fp8_format is None else {"fp8_format": args.fp8_format}
+    backend = "inductor" if args.recipe == "inductor" else te_compile.backend(recipe=args.recipe, **options)
 
     def prepare(model):
         return torch.compile(model, backend=backend, dynamic=False)
-    step = bench_block._builder(b, t, c, 1, device, dtype)(prepare)
+    if args.model == "block":
+        b, t, c = SHAPES[device.type]
+        title = f"one GPT block {b}x{t}x{c}"
+        step = bench_block._builder(b, t, c, 1, device, dtype)(prepare)
+    else:
+        step, title = _moe_step(args.model, device, dtype, prepare)
     for _ in range(max(2, args.warmup)):   # compile, and a step with the state already advanced
         step()
     _common._sync(device)
@@ -96,8 +121,8 @@ def main() -> None:
         counts[event.key] += event.count // args.steps
     whole = sum(totals.values()) or 1.0
     top = sorted(totals.items(), key=lambda kv: -kv[1])[:args.top]
-    print(f"\nprofile_step: {_common.describe_machine(device)}, one GPT block {b}x{t}x{c}, "
-          f"{args.recipe}, per step (mean of {args.steps})")
+    print(f"\nprofile_step: {_common.describe_machine(device)}, {title}, "
+          f"{args.recipe}{'' if args.fp8_format is None else ' ' + args.fp8_format}, per step (mean of {args.steps})")
     print(tabulate([(name[:90], classify(name), counts[name], f"{us / 1e3:.3f}", f"{100 * us / whole:.1f}%")
                     for name, us in top],
                    headers=["kernel", "class", "calls", "ms", "share"], disable_numparse=True))
