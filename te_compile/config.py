@@ -93,6 +93,14 @@ class RewriteConfig:
     activation: bool = True  # GELU / ReLU / ReLU² / SwiGLU fused into the following linear's quantization
     # off by default: FP8 attention costs accuracy that most models do not want to trade for speed
     sdpa: bool = False
+    # the output layer and its cross_entropy as one chunked op: no [tokens, vocab] logits saved
+    linear_cross_entropy: bool = True
+    linear_cross_entropy_chunk: int = 0   # rows per chunk; 0: chosen from the shapes
+
+    def __post_init__(self):
+        if self.linear_cross_entropy_chunk < 0:
+            raise ValueError(f"linear_cross_entropy_chunk must be >= 0 (0: chosen from the shapes), "
+                             f"got {self.linear_cross_entropy_chunk}")
 
 
 @dataclass(frozen=True)
@@ -366,7 +374,12 @@ def _build_rewrite(value: Any, source: str) -> RewriteConfig:
     allowed = tuple(f.name for f in fields(RewriteConfig))
     _check_keys(table, allowed, "rewrite.", source)
     hints = typing.get_type_hints(RewriteConfig)
-    return RewriteConfig(**{k: _convert(v, hints[k], f"rewrite.{k}", source) for k, v in table.items()})
+    values = {k: _convert(v, hints[k], f"rewrite.{k}", source) for k, v in table.items()}
+    try:
+        return RewriteConfig(**values)
+    except ValueError as e:   # "<key> must be ...": the only checked key so far
+        key = str(e).split(" ", 1)[0]
+        raise _error(source, f"rewrite.{key}", str(e).split(" ", 1)[1]) from None
 
 
 def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], source: str) -> Override:

@@ -50,7 +50,7 @@ def test_40_step_training_within_10_percent_of_fp32(fp32_run, name):
     gap = abs(final_te - final_fp32) / final_fp32
     assert gap < 0.10, f"{name}: final loss {final_te:.4f} vs fp32 {final_fp32:.4f} ({100 * gap:.1f}% > 10%)"
     assert te != fp32, "identical losses: nothing was quantized"
-    sites = {s.fqn: s for s in te_compile.report().sites}
+    sites = {s.fqn: s for s in te_compile.report().sites if s.op != "linear_cross_entropy"}
     if name == "mixed":
         assert sites["blocks.0.attn.qkv"].recipe == "Float8CurrentScaling"
         assert sites["blocks.1.mlp.fc"].recipe == "NVFP4BlockScaling" and sites["blocks.1.mlp.fc"].rewritten

@@ -148,9 +148,12 @@ def test_demo_peer_torchao_adds_a_third_run(capsys):
     assert 0 < ao_mib < hp_mib and 0 < te_mib < hp_mib, row
 
 
-# the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head
-_TINY_SDPA_OFF = "9 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 0/1, gelu 1/1)"
-_TINY_SDPA_ON = "10 of 10 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 1/1, gelu 1/1)"
+# the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head, the loss;
+# ln_f goes to the fused output layer and loss, which quantizes it without fusing it
+_TINY_SDPA_OFF = ("9 of 11 sites rewritten (layer_norm 2/3, linear 5/5, sdpa 0/1, gelu 1/1, "
+                  "linear_cross_entropy 1/1)")
+_TINY_SDPA_ON = ("10 of 11 sites rewritten (layer_norm 2/3, linear 5/5, sdpa 1/1, gelu 1/1, "
+                 "linear_cross_entropy 1/1)")
 
 
 # --report rides on the fp8_attention run: both ways are covered without compiling a third pair
@@ -178,7 +181,7 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, con
     if not table:
         assert "  sdpa, 1 site not rewritten: [rewrite] sdpa = false and " in out, out
     # the site table's rows (one per module) and closing total only with --report; the hint without
-    table_lines = ("te_compile.report() (sites of the te run)", "blocks.0.attn.qkv", "lm_head",
+    table_lines = ("te_compile.report() (sites of the te run)", "blocks.0.attn.qkv", "blocks.0.mlp.fc",
                    "graph 0: rewritten 5 of 5 linear sites", f"{sites.split(' (')[0]}\n")
     for text in table_lines:
         assert (text in out) == table, f"{text!r} {'missing from' if table else 'in'}:\n{out}"

@@ -522,7 +522,8 @@ def test_error_override_recipe(tmp_path, error_for):
 def test_error_unknown_rewrite_key(error_for):
     message = error_for("[rewrite]\nattention = true\n")
     assert message == ("bad.toml: rewrite.attention: unknown key; "
-                       "allowed keys: ['linear', 'grouped_linear', 'layer_norm', 'rms_norm', 'activation', 'sdpa']")
+                       "allowed keys: ['linear', 'grouped_linear', 'layer_norm', 'rms_norm', 'activation', 'sdpa', "
+                       "'linear_cross_entropy', 'linear_cross_entropy_chunk']")
     message = error_for('[rewrite]\nsdpa = "yes"\n')
     assert message.startswith("bad.toml: rewrite.sdpa: expected a bool")
 

@@ -21,6 +21,7 @@ from .delayed_state import DelayedState, ExtraInput
 from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .grouped_linear import rewrite_grouped_linears
+from .linear_cross_entropy import fuse_linear_cross_entropy
 from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
@@ -38,6 +39,7 @@ Pass = Callable[[PassContext, GraphScope], int]
 PASSES: tuple[Pass, ...] = (
     rewrite_linears,
     rewrite_grouped_linears,
+    fuse_linear_cross_entropy,
     fuse_norms,
     fuse_activations,
     fuse_hand_written_activations,

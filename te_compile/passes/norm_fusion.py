@@ -20,6 +20,7 @@ from typing import Optional
 import torch.fx as fx
 
 from ..distributed import is_dtensor
+from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering
 from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
 from .graphs import GraphScope
@@ -71,6 +72,11 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
         readers = find_readers(site.node)
         order = {n: i for i, n in enumerate(scope.graph.nodes)}
         readers.linears.sort(key=lambda r: order[r.node])
+        losses = [n for n in readers.others if isinstance(n.target, LinearCrossEntropyLowering)]
+        if not readers.linears and losses and len(losses) == len(readers.others):
+            _record(ctx, scope, site, False, f"read by the fused output layer and loss of {losses[0].target.spec.fqn}, "
+                                             "which quantizes it (no norm is fused into that op yet)")
+            continue
         if not readers.linears:
             names = sorted({method_or_name(n) or n.op for n in readers.others})
             seen = f" (read by {', '.join(names)})" if names else ""

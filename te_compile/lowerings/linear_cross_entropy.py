@@ -1,0 +1,306 @@
+"""What a fused output layer and loss calls: ``LinearCrossEntropyLowering(spec)(x, w, b, labels, *state)``.
+
+The backend replaces ``cross_entropy(cap(linear(x, w, b)).view(-1, V), labels)`` (passes/linear_cross_
+entropy.py says which spellings) by one op that walks the tokens in chunks of rows. Per chunk:
+
+    z = x_c @ w.T + b                  the output layer, [c, V] in x's dtype (FP8 GEMM or high precision)
+    z' = steps(z)                      the casts and soft-caps between the layer and the loss, in order
+    loss_c = sum over rows of (1 - eps) * (lse - z'[label]) + eps * (lse - mean(z'))     (fp32)
+
+and only the layer's input (FP8 under a per-tensor recipe), its weight and one fp32 logsumexp per
+token are saved for backward: never a [tokens, V] tensor. The backward recomputes each chunk's logits
+(bit for bit the forward's: same operands, same GEMM) and turns them into that chunk's gradient
+dz = (softmax - (1 - eps) * onehot - eps / V) * dloss, then into its share of dx, dw and db.
+
+Numerics, against the unfused path of the same precision:
+- The forward GEMM reads the unfused path's operands: under FP8 the input's and weight's scales come
+  from the whole tensors (quantized once, before chunking), so every chunk reads the same bytes and
+  scales. Its logits are then the unfused ones bit for bit wherever the GEMM library computes a row
+  independently of how many rows it is given (seen on CPU for equal chunks, as the tests use); MKL
+  takes another kernel for some row counts (e.g. 34 rows against 7), which moves the last bit.
+- The loss is summed in fp32 chunk by chunk (the unfused path sums all rows at once): equal to fp32
+  summation order. The loss has the dtype the unfused ``cross_entropy`` would return (its input's).
+- FP8 gradients: the unfused path quantizes dz with its own amax, which is not known until every chunk
+  is done. Here each chunk is quantized (E5M2 under HYBRID) with a scale known before it is computed:
+  every |dz| <= |dloss| (softmax minus a smoothed one-hot lies in [-1, 1], a soft-cap's derivative in
+  [0, 1]), so the scale is the format's max over |dloss| (``dloss`` is the loss gradient divided by
+  the valid-token count under ``mean``). DelayedScaling uses its grad_output scale, as the unfused
+  site does, and still records dz's real amax. The weight gradient's partial GEMMs add up in fp32.
+- ``ignore_index`` rows add nothing to the loss and get zero gradients; with every row ignored,
+  ``mean`` gives nan and ``sum`` 0, with zero gradients, as torch does.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from ..gemm.per_tensor import column_major, fp8_gemm
+from ..quantization import quantize_per_tensor
+from ..recipe import Recipe
+from ..scaling import fp8_max, tensor_amax
+from .fp8_linear import quantize_weight
+from .linear import autocast_dtype
+
+__all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows"]
+
+# a chunk's logits are kept about as large as the layer's input (Liger-Kernel's rule): rows = M * K / V,
+# rounded up to a power of two, never fewer than this
+_MIN_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class LinearCrossEntropySpec:
+    """Everything about a fused site the lowering needs that is not a tensor."""
+
+    fqn: str
+    recipe: Optional[Recipe]          # a per-tensor recipe, or None: high precision
+    # the casts ("cast", dtype) and soft-caps ("softcap", c: c * tanh(z / c)) between the layer's output
+    # and the loss, in order
+    steps: tuple[tuple[str, object], ...] = ()
+    ignore_index: int = -100
+    reduction: str = "mean"           # "mean" or "sum"
+    label_smoothing: float = 0.0
+    chunk: int = 0                    # rows per chunk; 0: chosen from the shapes (``chunk_rows``)
+    # the logits are also returned (a model output), after this many of ``steps``; -1: not returned
+    logits_steps: int = -1
+    weight_in_out: bool = False       # the weight is [K, V] (x @ W)
+
+
+def chunk_rows(m: int, k: int, v: int, chunk: int = 0) -> int:
+    """Rows per chunk for ``m`` tokens of width ``k`` and ``v`` classes: ``chunk`` when set, else the
+    power of two at or above m * k / v (a chunk's logits about as large as the input), within [16, m]."""
+    if chunk > 0:
+        return max(1, min(chunk, m))
+    rows = 1 << max(0, math.ceil(math.log2(max(1, -(-m * k // v)))))
+    return max(1, min(m, max(_MIN_CHUNK, rows)))
+
+
+def _hint(n) -> int:
+    """A concrete row count for a possibly symbolic one (the chunk count is fixed at trace time)."""
+    if isinstance(n, torch.SymInt):
+        return n.node.hint if n.node.hint is not None else 8192
+    return int(n)
+
+
+def _apply_steps(z: torch.Tensor, steps) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """(the loss's input, the soft-caps' tanh outputs in order) from the layer's output ``z``."""
+    tanhs = []
+    for kind, value in steps:
+        if kind == "cast":
+            z = z.to(value)
+        else:   # softcap
+            t = torch.tanh(z / value)
+            tanhs.append(t)
+            z = t * value
+    return z, tanhs
+
+
+def _steps_backward(dz: torch.Tensor, z: torch.Tensor, steps, tanhs: list[torch.Tensor]) -> torch.Tensor:
+    """The gradient of the layer's output from that of the loss's input, through ``steps`` backwards:
+    a cast hands the gradient back in the dtype before it (as autograd does), a soft-cap multiplies by
+    1 - tanh²."""
+    dtypes = [z.dtype]
+    for kind, value in steps:
+        dtypes.append(value if kind == "cast" else dtypes[-1])
+    for i in range(len(steps) - 1, -1, -1):
+        kind, _ = steps[i]
+        if kind == "cast":
+            dz = dz.to(dtypes[i])
+        else:
+            t = tanhs.pop()
+            dz = (dz * (1 - t * t)).to(dtypes[i])
+    return dz
+
+
+def _row_losses(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropySpec):
+    """Per-row loss terms in fp32 and the row logsumexps [c]: (loss [c], lse [c], valid [c])."""
+    zf = zl.float()
+    lse = torch.logsumexp(zf, dim=-1)
+    valid = labels != spec.ignore_index
+    target = zf.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    loss = lse - target
+    if spec.label_smoothing:
+        eps = spec.label_smoothing
+        loss = (1 - eps) * loss + eps * (lse - zf.mean(dim=-1))
+    return torch.where(valid, loss, 0.0), lse, valid
+
+
+def _logit_grad(zl: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, dloss: torch.Tensor,
+                spec: LinearCrossEntropySpec) -> torch.Tensor:
+    """d loss / d z' for one chunk, fp32 [c, V]: (softmax - (1 - eps) onehot - eps / V) * dloss, zero for
+    ignored rows."""
+    zf = zl.float()
+    dz = torch.exp(zf - lse[:, None])
+    eps = spec.label_smoothing
+    onehot = torch.zeros_like(dz).scatter_(1, torch.where(valid, labels, 0)[:, None], 1.0 - eps)
+    dz = dz - onehot
+    if eps:
+        dz = dz - eps / zf.shape[-1]
+    return dz * torch.where(valid, dloss, 0.0)[:, None]
+
+
+class LinearCrossEntropyFunction(torch.autograd.Function):
+    """The chunked output layer and loss. x2d [M, K], w_nk [V, K], bias [V] or None, labels int [M].
+
+    DelayedScaling passes its carrier and the three roles' scales as the linears do (the backward
+    returns [input, weight, grad_output] amaxes as the carrier's gradient); otherwise None for all
+    four. Returns (loss, logits [M, V] or None): the logits only when ``spec.logits_steps`` >= 0, as a
+    non-differentiable output (nothing reads them for the loss's gradient).
+    """
+
+    @staticmethod
+    def forward(ctx, x2d, w_nk, bias, labels, spec, chunks, carrier, x_scale, w_scale, g_scale):
+        recipe = spec.recipe
+        ctx.spec, ctx.chunks, ctx.has_bias = spec, chunks, bias is not None
+        ctx.dtypes = (x2d.dtype, w_nk.dtype, None if bias is None else bias.dtype)
+        if recipe is not None:
+            xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale)
+            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
+            wq = wq.contiguous()
+            operands = (xq, wq)
+        else:
+            operands = (x2d, w_nk)
+        total, logits, lses = None, [], []
+        for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
+            z = _layer(ctx, xc, operands[1], x_sinv if recipe else None, w_sinv if recipe else None, bias)
+            if spec.logits_steps >= 0:
+                logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
+            zl, _ = _apply_steps(z, spec.steps)
+            loss, lse, _ = _row_losses(zl, lc, spec)
+            lses.append(lse)
+            total = loss.sum() if total is None else total + loss.sum()
+        out_dtype = x2d.dtype
+        for kind, value in spec.steps:
+            out_dtype = value if kind == "cast" else out_dtype
+        n_valid = (labels != spec.ignore_index).sum()
+        loss = total / n_valid if spec.reduction == "mean" else total
+        lse = torch.cat(lses)
+        if recipe is not None:
+            ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]), lse, labels, n_valid,
+                                  *((bias,) if bias is not None else ()), *((g_scale,) if g_scale is not None else ()))
+        else:
+            ctx.save_for_backward(x2d, w_nk, lse, labels, n_valid, *((bias,) if bias is not None else ()))
+        ctx.has_g_scale = g_scale is not None
+        out = torch.cat(logits) if spec.logits_steps >= 0 else None
+        if out is not None:
+            ctx.mark_non_differentiable(out)
+        return loss.to(out_dtype), out
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_logits):
+        spec, recipe = ctx.spec, ctx.spec.recipe
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        saved = list(ctx.saved_tensors)
+        if recipe is not None:
+            xq, x_sinv, wq, w_sinv, xw_amax, lse, labels, n_valid = saved[:8]
+            rest = saved[8:]
+            operands = (xq, wq)
+        else:
+            x2d, w_nk, lse, labels, n_valid = saved[:5]
+            rest = saved[5:]
+            operands = (x2d, w_nk)
+        bias = rest.pop(0) if ctx.has_bias else None
+        g_scale = rest.pop(0) if ctx.has_g_scale else None
+        dloss = grad_loss.float()
+        if spec.reduction == "mean":
+            dloss = dloss / n_valid.clamp(min=1)
+        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if recipe is not None:
+            g_dtype = recipe.fp8_format.dtype_for("grad_output")
+            # every |dz| <= |dloss| (module docstring): a scale known before any dz exists
+            bound = dloss.abs().reshape(1)
+            if g_scale is None:
+                g_scale = torch.where(bound > 0, fp8_max(g_dtype) / bound, 1.0)
+            g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
+        dxs, dw, db, g_amax = [], None, None, None
+        for xc, lc, lsec in zip(operands[0].tensor_split(ctx.chunks), labels.tensor_split(ctx.chunks),
+                                lse.tensor_split(ctx.chunks)):
+            z = _layer(ctx, xc, operands[1], x_sinv if recipe else None, w_sinv if recipe else None, bias)
+            zl, tanhs = _apply_steps(z, spec.steps)
+            dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec)
+            dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
+            if need_db:
+                part = dz.float().sum(0)
+                db = part if db is None else db + part
+            if recipe is None:
+                if need_dx:
+                    dxs.append(dz @ operands[1])
+                if need_dw:
+                    part = dz.float().t() @ xc.float()
+                    dw = part if dw is None else dw + part
+                continue
+            amax = tensor_amax(dz)
+            g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
+            gq = quantize_per_tensor(dz, "grad_output", recipe, g_scale, amax)[0].contiguous()
+            if need_dx:
+                dxs.append(fp8_gemm(gq, column_major(wq), g_sinv, w_sinv, out_dtype=x_dtype))
+            if need_dw:
+                part = fp8_gemm(gq.t().contiguous(), column_major(xc), g_sinv, x_sinv, out_dtype=torch.float32)
+                dw = part if dw is None else dw + part
+        dx = torch.cat(dxs).to(x_dtype) if need_dx else None
+        dw = dw.to(w_dtype) if need_dw else None
+        db = db.to(b_dtype) if need_db else None
+        carrier_grad = None
+        if recipe is not None and ctx.needs_input_grad[6]:
+            carrier_grad = torch.cat([xw_amax, g_amax])
+        return dx, dw, db, None, None, None, carrier_grad, None, None, None
+
+
+def _layer(ctx, xc, w, x_sinv, w_sinv, bias) -> torch.Tensor:
+    """One chunk's logits z = xc @ w.T (+ bias) in x's dtype: the FP8 GEMM of the saved bytes, or the
+    high-precision product."""
+    if x_sinv is None:
+        return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
+    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=ctx.dtypes[0])
+    return z if bias is None else z + bias
+
+
+class LinearCrossEntropyLowering:
+    """Callable inserted into the FX graph for one fused site: ``(x, w, b, labels, *delayed) -> (loss,
+    logits or None)``.
+
+    x: [..., K] the layer's input, already cut to the rows the loss reads (the pass replays the
+    logits' row slicing on it); w: [V, K] ([K, V] with ``spec.weight_in_out``); b: [V] or None;
+    labels: the loss's targets, one per row of x; delayed: DelayedScaling's (carrier, input, weight,
+    grad_output scales) or empty. Under autocast the operands are cast as the linear would cast them.
+    """
+
+    def __init__(self, spec: LinearCrossEntropySpec) -> None:
+        if spec.reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction must be 'mean' or 'sum', got {spec.reduction!r}")
+        if spec.recipe is not None and not spec.recipe.per_tensor:
+            raise ValueError(f"the fused output layer takes a per-tensor recipe or None, got {spec.recipe.name}")
+        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        self.__name__ = f"te_linear_cross_entropy_{spec.recipe.name if spec.recipe else 'hp'}"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                 *delayed: Optional[torch.Tensor]):
+        dtype = autocast_dtype(x)
+        if dtype is not None:
+            x, weight = x.to(dtype), weight.to(dtype)
+            bias = bias.to(dtype) if bias is not None else None
+            with torch.autocast(x.device.type, enabled=False):
+                return self._call(x, weight, bias, labels, delayed)
+        return self._call(x, weight, bias, labels, delayed)
+
+    def _call(self, x, weight, bias, labels, delayed):
+        w_nk = weight.t() if self.spec.weight_in_out else weight
+        x2d = x.reshape(-1, x.shape[-1])
+        m = x2d.shape[0]
+        rows = chunk_rows(_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
+        chunks = max(1, -(-_hint(m) // rows))
+        loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), self.spec, chunks,
+                                                        *(delayed or (None,) * 4))
+        if logits is not None:
+            logits = logits.reshape(*x.shape[:-1], w_nk.shape[0])
+        return loss, logits
+
+    def __repr__(self) -> str:
+        return f"LinearCrossEntropyLowering({self.spec.fqn!r}, {self.spec.recipe.name if self.spec.recipe else 'hp'})"

@@ -1,0 +1,311 @@
+"""The output layer and its cross_entropy as one chunked op (passes/ and lowerings/linear_cross_entropy.py):
+the lowering's numerics against the unfused path of the same precision, the spellings the pass
+follows in hand-written and Hugging Face models, what it leaves alone and why, and that no
+[tokens, vocab] tensor is saved for backward."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import te_compile
+from te_compile.config import ConfigError, load_config
+from te_compile.lowerings.linear import LinearLowering, LinearSpec
+from te_compile.lowerings.linear_cross_entropy import (LinearCrossEntropyLowering, LinearCrossEntropySpec,
+                                                       chunk_rows)
+from te_compile.recipe import DelayedScaling, Float8CurrentScaling
+from utils import assert_bitwise_equal, seed, sqnr
+
+M, K, V = 96, 64, 80
+
+
+def _operands(dtype, gen, bias=True, ignored=7):
+    x = torch.randn(M, K, generator=gen).to(dtype).requires_grad_()
+    w = (torch.randn(V, K, generator=gen) / K ** 0.5).to(dtype).requires_grad_()
+    b = torch.randn(V, generator=gen).to(dtype).requires_grad_() if bias else None
+    labels = torch.randint(0, V, (M,), generator=gen)
+    labels[::ignored] = -100
+    return x, w, b, labels
+
+
+def _steps_ref(z, steps):
+    for kind, value in steps:
+        z = z.to(value) if kind == "cast" else torch.tanh(z / value) * value
+    return z
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+# ---- the lowering ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("case", [
+    dict(), dict(reduction="sum"), dict(label_smoothing=0.1), dict(steps=(("softcap", 3.0),)),
+    dict(steps=(("cast", torch.float32),), chunk=7), dict(chunk=M)],
+    ids=["mean", "sum", "smoothing", "softcap", "cast-uneven-chunks", "one-chunk"])
+def test_high_precision_equals_the_unfused_loss_and_gradients_to_fp32_rounding(dtype, case):
+    x, w, b, labels = _operands(dtype, seed(1))
+    spec = LinearCrossEntropySpec("lm_head", None, **{"chunk": 16, **case})
+    loss, logits = LinearCrossEntropyLowering(spec)(x, w, b, labels)
+    assert logits is None
+    z = _steps_ref(F.linear(x, w, b), spec.steps)
+    ref = F.cross_entropy(z, labels, reduction=spec.reduction, label_smoothing=spec.label_smoothing)
+    assert loss.dtype == ref.dtype
+    tol = 1e-5 if dtype == torch.float32 else 1e-2   # bf16: the unfused loss itself is computed in bf16
+    assert abs(float(loss) - float(ref)) <= tol * abs(float(ref)), (float(loss), float(ref))
+    for got, want, name in zip(_grads(loss, (x, w, b)), _grads(ref, (x, w, b)), "xwb"):
+        assert sqnr(want.float(), got.float()) > (100 if dtype == torch.float32 else 35), name
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("smoothing", [0.0, 0.1], ids=["plain", "smoothing"])
+def test_fp8_logits_bit_exact_per_chunk_and_gradients_close_to_the_unfused_fp8_path(dtype, smoothing):
+    x, w, b, labels = _operands(dtype, seed(2))
+    recipe = Float8CurrentScaling()
+    spec = LinearCrossEntropySpec("lm_head", recipe, steps=(("cast", torch.float32),), label_smoothing=smoothing,
+                                  chunk=32, logits_steps=0)
+    loss, logits = LinearCrossEntropyLowering(spec)(x, w, b, labels)
+    z = LinearLowering(LinearSpec("lm_head", recipe))(x, w, b)
+    assert_bitwise_equal(logits, z.detach(), "the chunks read the whole tensors' scales")
+    assert not logits.requires_grad
+    ref = F.cross_entropy(z.float(), labels, label_smoothing=smoothing)
+    assert abs(float(loss) - float(ref)) <= 1e-5 * float(ref)
+    hp = F.cross_entropy(F.linear(x.float(), w.float(), b.float()), labels, label_smoothing=smoothing)
+    got = _grads(loss, (x, w, b))
+    for g, want, high, name in zip(got, _grads(ref, (x, w, b)), _grads(hp, (x, w, b)), "xwb"):
+        assert sqnr(want.float(), g.float()) >= (20 if smoothing else 30), name
+        assert sqnr(high.float(), g.float()) >= 20, name
+
+
+def test_delayed_scaling_uses_its_grad_output_scale_bit_for_bit_and_reports_the_real_amaxes():
+    x, w, b, labels = _operands(torch.float32, seed(3), bias=False)
+    recipe = DelayedScaling()
+    scales = [torch.tensor([s]) for s in (2.0, 8.0, 4096.0)]
+    carrier = torch.zeros(3, requires_grad=True)
+    fused = LinearCrossEntropyLowering(LinearCrossEntropySpec("lm_head", recipe, chunk=16))
+    loss, _ = fused(x, w, None, labels, carrier, *scales)
+    dx, dw, amaxes = torch.autograd.grad(loss, (x, w, carrier))
+    carrier2 = torch.zeros(3, requires_grad=True)
+    z = LinearLowering(LinearSpec("lm_head", recipe))(x, w, None, carrier2, *scales)
+    ref_dx, ref_dw, ref_amaxes = torch.autograd.grad(F.cross_entropy(z, labels), (x, w, carrier2))
+    # dz is the same in fp32 up to summation order; quantized with the same scale it mostly is the
+    # same bytes, and the GEMMs' partial sums over chunks add up in fp32
+    assert sqnr(ref_dx, dx) > 60 and sqnr(ref_dw, dw) > 60
+    assert_bitwise_equal(amaxes[:2], ref_amaxes[:2])
+    assert abs(float(amaxes[2]) - float(ref_amaxes[2])) <= 1e-6 * float(ref_amaxes[2])
+
+
+@pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling()], ids=["hp", "fp8"])
+def test_every_row_ignored_gives_torchs_loss_and_zero_gradients(reduction, expected, recipe):
+    x, w, b, labels = _operands(torch.float32, seed(4))
+    labels[:] = -100
+    spec = LinearCrossEntropySpec("lm_head", recipe, reduction=reduction, chunk=32)
+    loss, _ = LinearCrossEntropyLowering(spec)(x, w, b, labels)
+    ref = F.cross_entropy(F.linear(x, w, b), labels, reduction=reduction)
+    assert (float(loss) != float(loss)) if expected != expected else float(loss) == expected
+    assert (float(ref) != float(ref)) if expected != expected else float(ref) == expected
+    for g in _grads(loss, (x, w, b)):
+        assert torch.count_nonzero(g) == 0 and torch.isfinite(g).all()
+
+
+def test_chunk_rows_keeps_a_chunks_logits_about_as_large_as_the_input():
+    assert chunk_rows(8192, 4096, 128256) == 512     # 8192 * 4096 / 128256 = 261.6 -> 512
+    assert chunk_rows(100, 64, 64) == 100            # never more than the rows
+    assert chunk_rows(1000, 8, 50000) == 16          # never fewer than 16
+    assert chunk_rows(1000, 8, 50000, chunk=3) == 3  # the config's choice
+    with pytest.raises(ValueError, match="reduction must be"):
+        LinearCrossEntropyLowering(LinearCrossEntropySpec("lm_head", None, reduction="none"))
+
+
+# ---- the pass, on hand-written models -------------------------------------------------------------
+
+
+class NanoGPTHead(nn.Module):
+    """nanoGPT's spelling: the final norm, the head, ``cross_entropy(logits.view(-1, V), y.view(-1),
+    ignore_index=-1)``; with ``shift``, the causal shift taken from the logits."""
+
+    def __init__(self, vocab=64, bias=False, shift=False, tied=False):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, 32)
+        self.fc = nn.Linear(32, 32)
+        self.ln_f = nn.LayerNorm(32)
+        self.lm_head = nn.Linear(32, vocab, bias=bias)
+        if tied:
+            self.lm_head.weight = self.wte.weight
+        self.shift = shift
+
+    def forward(self, idx, targets):
+        logits = self.lm_head(self.ln_f(F.gelu(self.fc(self.wte(idx)))))
+        if self.shift:   # returns the loss alone: the op would compute only the rows the loss reads
+            flat = logits[..., :-1, :].contiguous().view(-1, logits.size(-1))
+            return None, F.cross_entropy(flat, targets[..., 1:].reshape(-1), ignore_index=-1)
+        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1), ignore_index=-1)
+
+
+def _train_pair(model, recipe, idx, targets, **rewrite):
+    """(fused model, unfused model, fused outputs, unfused outputs), one forward + backward each."""
+    ref = copy.deepcopy(model)
+    outs = []
+    for m, on in ((model, True), (ref, False)):
+        torch._dynamo.reset()
+        te_compile.reset()
+        backend = te_compile.backend(recipe=recipe, compiler="aot_eager",
+                                     rewrite={"linear_cross_entropy": on, "layer_norm": False, **rewrite})
+        logits, loss = torch.compile(m, backend=backend)(idx, targets)
+        loss.backward()
+        rows = [r for r in te_compile.report().sites if r.op == "linear_cross_entropy"]
+        outs.append((logits, loss, rows))
+    return model, ref, outs[0], outs[1]
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling", "none"])
+@pytest.mark.parametrize("form", ["view", "shift", "tied-bias"])
+def test_nanogpt_head_is_fused_with_the_unfused_loss_and_logits(recipe, form):
+    torch.manual_seed(0)
+    model = NanoGPTHead(bias=form == "tied-bias", shift=form == "shift", tied=form == "tied-bias")
+    idx = torch.randint(0, 64, (2, 16))
+    targets = torch.randint(0, 64, (2, 16))
+    targets[0, :4] = -1
+    fused, ref, (logits, loss, rows), (ref_logits, ref_loss, ref_rows) = _train_pair(
+        model, recipe, idx, targets, linear_cross_entropy_chunk=8)
+    assert [r.rewritten for r in rows] == [True], rows
+    assert "8-row chunks" in rows[0].reason and "no [tokens, 64] logits" in rows[0].reason
+    assert [r.rewritten for r in ref_rows] == [False]
+    if form != "shift":
+        assert_bitwise_equal(logits, ref_logits.detach(), "the logits the model returns")
+        assert not logits.requires_grad
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * float(ref_loss)
+    floor = 100 if recipe == "none" else 30
+    for (name, p), q in zip(fused.named_parameters(), ref.parameters()):
+        assert sqnr(q.grad, p.grad) >= floor, name
+
+
+def test_delayed_scaling_state_advances_as_the_unfused_sites():
+    torch.manual_seed(0)
+    model = NanoGPTHead()
+    idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    fused, ref, _, _ = _train_pair(model, "DelayedScaling", idx, targets)
+    state, ref_state = te_compile.recipe_state_dict(fused), te_compile.recipe_state_dict(ref)
+    assert state.keys() == ref_state.keys() and any("lm_head" in k for k in state)
+    for key in state:
+        if "lm_head" in key and "grad_output" not in key:
+            assert_bitwise_equal(state[key], ref_state[key], key)
+
+
+class Unfusable(nn.Module):
+    def __init__(self, case):
+        super().__init__()
+        self.lm_head = nn.Linear(32, 64)
+        self.case = case
+
+    def forward(self, x, y):
+        logits = self.lm_head(x)
+        if self.case == "none-reduction":
+            return F.cross_entropy(logits, y, reduction="none").mean()
+        if self.case == "class-weights":
+            return F.cross_entropy(logits, y, weight=torch.ones(64))
+        if self.case == "other-reader":
+            return F.cross_entropy(logits, y) + logits.square().mean()
+        if self.case == "returned-slice":
+            return F.cross_entropy(logits[:-1], y[1:]), logits
+        return F.cross_entropy(logits.float().softmax(-1), y)   # "another-op"
+
+
+@pytest.mark.parametrize("case, reason", [
+    ("none-reduction", "reduction='none'"), ("class-weights", "class weights"),
+    ("other-reader", "has other readers"), ("another-op", "softmax between the output layer and the loss"),
+    ("returned-slice", "the loss reads a slice of their rows")])
+def test_what_is_left_alone_says_why(case, reason):
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = Unfusable(case)
+    backend = te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager")
+    out = torch.compile(model, backend=backend)(torch.randn(16, 32), torch.randint(0, 64, (16,)))
+    (out[0] if isinstance(out, tuple) else out).backward()
+    rows = [r for r in te_compile.report().sites if r.op == "linear_cross_entropy"]
+    assert len(rows) == 1 and not rows[0].rewritten and reason in rows[0].reason, rows
+
+
+def test_no_tokens_by_vocab_tensor_is_saved_for_backward():
+    torch._dynamo.reset()
+    te_compile.reset()
+    model = NanoGPTHead(vocab=256)
+    idx, targets = torch.randint(0, 256, (4, 32)), torch.randint(0, 256, (4, 32))
+    saved = []
+
+    def pack(t):
+        saved.append(tuple(t.shape))
+        return t
+    for on in (True, False):
+        saved.clear()
+        backend = te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager",
+                                     rewrite={"linear_cross_entropy": on})
+        compiled = torch.compile(copy.deepcopy(model), backend=backend)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            _, loss = compiled(idx, targets)
+        loss.backward()
+        big = [s for s in saved if len(s) >= 1 and s[-1] == 256 and torch.Size(s).numel() >= 128 * 256]
+        assert bool(big) == (not on), (on, big)
+
+
+def test_chunk_config_key_is_checked_with_the_file_and_key(tmp_path):
+    path = tmp_path / "te.toml"
+    path.write_text("[rewrite]\nlinear_cross_entropy_chunk = -4\n")
+    with pytest.raises(ConfigError, match=r"te.toml: rewrite.linear_cross_entropy_chunk: must be >= 0"):
+        load_config(path)
+
+
+# ---- the pass, on Hugging Face models -------------------------------------------------------------
+
+
+def _hf(kind):
+    transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
+    common = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1, max_position_embeddings=64)
+    if kind == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**common))
+    if kind == "gemma2":   # final_logit_softcapping: tanh(z / 30) * 30 between the head and the loss
+        config = transformers.Gemma2Config(**common, head_dim=16, final_logit_softcapping=30.0)
+        return transformers.Gemma2ForCausalLM(config)
+    # GPT-2: lm_head tied to wte. Its class name names no loss, and transformers' warning about that
+    # breaks Dynamo's graph between the head and the loss unless the model names its loss type
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2,
+                                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+    model.loss_type = "ForCausalLM"
+    return model
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "none"])
+@pytest.mark.parametrize("kind", ["llama", "gemma2", "gpt2"])
+def test_hugging_face_causal_lm_loss_is_fused_and_its_logits_still_returned(kind, recipe):
+    torch.manual_seed(0)
+    model = _hf(kind)
+    if kind == "gemma2":
+        model.config._attn_implementation = "eager"
+    ids = torch.randint(0, 128, (2, 16))
+    ref = copy.deepcopy(model)
+    results = []
+    for m, on in ((model, True), (ref, False)):
+        torch._dynamo.reset()
+        te_compile.reset()
+        backend = te_compile.backend(recipe=recipe, compiler="aot_eager", rewrite={"linear_cross_entropy": on})
+        out = torch.compile(m, backend=backend)(input_ids=ids, labels=ids)
+        out.loss.backward()
+        results.append((out, [r for r in te_compile.report().sites if r.op == "linear_cross_entropy"]))
+    (out, rows), (ref_out, _) = results
+    assert [r.rewritten for r in rows] == [True], rows
+    assert "still computed for the model's output" in rows[0].reason
+    assert_bitwise_equal(out.logits, ref_out.logits.detach(), "logits (soft-capped for Gemma 2)")
+    assert abs(float(out.loss) - float(ref_out.loss)) <= 1e-5 * float(ref_out.loss)
+    head = dict(ref.named_parameters())
+    for name, p in model.named_parameters():
+        if p.grad is not None:
+            assert sqnr(head[name].grad, p.grad) >= (100 if recipe == "none" else 20), name
