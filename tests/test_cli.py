@@ -148,11 +148,11 @@ def test_demo_peer_torchao_adds_a_third_run(capsys):
     assert 0 < ao_mib < hp_mib and 0 < te_mib < hp_mib, row
 
 
-# the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head, the loss;
-# ln_f goes to the fused output layer and loss, which quantizes it without fusing it
-_TINY_SDPA_OFF = ("9 of 11 sites rewritten (layer_norm 2/3, linear 5/5, sdpa 0/1, gelu 1/1, "
+# the demo's one-block GPT: ln_1, qkv, attention, proj, ln_2, fc, gelu, proj, ln_f, lm_head, the loss
+# (ln_f fused into the output layer and loss)
+_TINY_SDPA_OFF = ("10 of 11 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 0/1, gelu 1/1, "
                   "linear_cross_entropy 1/1)")
-_TINY_SDPA_ON = ("10 of 11 sites rewritten (layer_norm 2/3, linear 5/5, sdpa 1/1, gelu 1/1, "
+_TINY_SDPA_ON = ("11 of 11 sites rewritten (layer_norm 3/3, linear 5/5, sdpa 1/1, gelu 1/1, "
                  "linear_cross_entropy 1/1)")
 
 

@@ -7,8 +7,8 @@ entropy.py says which spellings) by one op that walks the tokens in chunks of ro
     z' = steps(z)                      the casts and soft-caps between the layer and the loss, in order
     loss_c = sum over rows of (1 - eps) * (lse - z'[label]) + eps * (lse - mean(z'))     (fp32)
 
-and only the layer's input (FP8 under a per-tensor recipe), its weight and one fp32 logsumexp per
-token are saved for backward: never a [tokens, V] tensor. The backward recomputes each chunk's logits
+and only the layer's input (FP8 under a per-tensor recipe), its weight and per token an fp32
+logsumexp (and, under FP8, 1 - p(label)) are saved for backward: never a [tokens, V] tensor. The backward recomputes each chunk's logits
 (bit for bit the forward's: same operands, same GEMM) and turns them into that chunk's gradient
 dz = (softmax - (1 - eps) * onehot - eps / V) * dloss, then into its share of dx, dw and db.
 
@@ -20,12 +20,15 @@ Numerics, against the unfused path of the same precision:
   takes another kernel for some row counts (e.g. 34 rows against 7), which moves the last bit.
 - The loss is summed in fp32 chunk by chunk (the unfused path sums all rows at once): equal to fp32
   summation order. The loss has the dtype the unfused ``cross_entropy`` would return (its input's).
-- FP8 gradients: the unfused path quantizes dz with its own amax, which is not known until every chunk
-  is done. Here each chunk is quantized (E5M2 under HYBRID) with a scale known before it is computed:
-  every |dz| <= |dloss| (softmax minus a smoothed one-hot lies in [-1, 1], a soft-cap's derivative in
-  [0, 1]), so the scale is the format's max over |dloss| (``dloss`` is the loss gradient divided by
-  the valid-token count under ``mean``). DelayedScaling uses its grad_output scale, as the unfused
-  site does, and still records dz's real amax. The weight gradient's partial GEMMs add up in fp32.
+- FP8 gradients: the unfused path quantizes dz with its own amax, which the chunks cannot see before
+  they are done. Each chunk is quantized (E5M2 under HYBRID) with a scale known before it is computed.
+  A row's largest |dz| is (1 - p(label)) * |dloss| (the other entries sum to 1 - p(label)), so the
+  forward saves 1 - p(label) per token and current scaling gets the unfused amax exactly (rounded to
+  the layer's dtype, as the unfused dz is). With label smoothing or a soft-cap the scale comes from a
+  bound instead: every |dz| <= |dloss| (softmax minus a smoothed one-hot lies in [-1, 1], a soft-cap's
+  derivative in [0, 1]). ``dloss`` is the loss gradient, over the valid-token count under ``mean``.
+  DelayedScaling uses its grad_output scale, as the unfused site does, and still records dz's real
+  amax. The weight gradient's partial GEMMs add up in fp32.
 - ``ignore_index`` rows add nothing to the loss and get zero gradients; with every row ignored,
   ``mean`` gives nan and ``sum`` 0, with zero gradients, as torch does.
 """
@@ -40,13 +43,16 @@ import torch
 import torch.nn.functional as F
 
 from ..gemm.per_tensor import column_major, fp8_gemm
-from ..quantization import quantize_per_tensor
+from ..kernels.norm_quantize import norm_backward, norm_quantize, norm_stats
+from ..norm_spec import NormSpec
+from ..quantization import current_scale, quantize_per_tensor
 from ..recipe import Recipe
 from ..scaling import fp8_max, tensor_amax
 from .fp8_linear import quantize_weight
 from .linear import autocast_dtype
 
-__all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows"]
+__all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",
+           "recompute_logits"]
 
 # a chunk's logits are kept about as large as the layer's input (Liger-Kernel's rule): rows = M * K / V,
 # rounded up to a power of two, never fewer than this
@@ -69,6 +75,9 @@ class LinearCrossEntropySpec:
     # the logits are also returned (a model output), after this many of ``steps``; -1: not returned
     logits_steps: int = -1
     weight_in_out: bool = False       # the weight is [K, V] (x @ W)
+    # the final norm fused in front (FP8 only): x is then the norm's input, quantized by the norm
+    # kernels as a fused norm's linears read it (lowerings/norm_fusion.py); its casts included
+    norm: Optional[NormSpec] = None
 
 
 def chunk_rows(m: int, k: int, v: int, chunk: int = 0) -> int:
@@ -118,7 +127,8 @@ def _steps_backward(dz: torch.Tensor, z: torch.Tensor, steps, tanhs: list[torch.
 
 
 def _row_losses(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropySpec):
-    """Per-row loss terms in fp32 and the row logsumexps [c]: (loss [c], lse [c], valid [c])."""
+    """Per-row loss terms in fp32, the row logsumexps [c] and 1 - p(label) [c] (0 for ignored rows):
+    (loss, lse, miss, valid)."""
     zf = zl.float()
     lse = torch.logsumexp(zf, dim=-1)
     valid = labels != spec.ignore_index
@@ -127,7 +137,14 @@ def _row_losses(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropy
     if spec.label_smoothing:
         eps = spec.label_smoothing
         loss = (1 - eps) * loss + eps * (lse - zf.mean(dim=-1))
-    return torch.where(valid, loss, 0.0), lse, valid
+    miss = torch.where(valid, -torch.expm1(target - lse), 0.0)
+    return torch.where(valid, loss, 0.0), lse, miss, valid
+
+
+def _exact_amax(spec: LinearCrossEntropySpec) -> bool:
+    """Is dz's amax known from the forward's per-row 1 - p(label)? Not with label smoothing or a
+    soft-cap, which move the largest element; their scales come from the bound |dz| <= |dloss|."""
+    return not spec.label_smoothing and all(kind != "softcap" for kind, _ in spec.steps)
 
 
 def _logit_grad(zl: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, dloss: torch.Tensor,
@@ -154,35 +171,56 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, bias, labels, spec, chunks, carrier, x_scale, w_scale, g_scale):
+    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, carrier, x_scale, w_scale, g_scale):
         recipe = spec.recipe
         ctx.spec, ctx.chunks, ctx.has_bias = spec, chunks, bias is not None
-        ctx.dtypes = (x2d.dtype, w_nk.dtype, None if bias is None else bias.dtype)
-        if recipe is not None:
+        ctx.has_norm = (norm_w is not None, norm_b is not None)
+        # the layer's input dtype: the norm's output dtype when a norm is fused in front
+        ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
+                      None if bias is None else bias.dtype, x2d.dtype)
+        if spec.norm is not None:
+            mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, spec.norm)
+            if x_scale is None:
+                x_scale = current_scale(x_amax, "input", recipe)
+            xq = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, spec.norm,
+                               recipe.fp8_format.dtype_for("input"))[0]
+            x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
+            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
+            wq = wq.contiguous()
+            operands = (xq, wq)
+        elif recipe is not None:
             xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale)
             wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
             wq = wq.contiguous()
             operands = (xq, wq)
         else:
             operands = (x2d, w_nk)
-        total, logits, lses = None, [], []
+        total, logits, lses, misses = None, [], [], []
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
             z = _layer(ctx, xc, operands[1], x_sinv if recipe else None, w_sinv if recipe else None, bias)
             if spec.logits_steps >= 0:
                 logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
             zl, _ = _apply_steps(z, spec.steps)
-            loss, lse, _ = _row_losses(zl, lc, spec)
+            loss, lse, miss, _ = _row_losses(zl, lc, spec)
             lses.append(lse)
+            misses.append(miss)
             total = loss.sum() if total is None else total + loss.sum()
-        out_dtype = x2d.dtype
+        out_dtype = ctx.dtypes[0]
         for kind, value in spec.steps:
             out_dtype = value if kind == "cast" else out_dtype
         n_valid = (labels != spec.ignore_index).sum()
         loss = total / n_valid if spec.reduction == "mean" else total
         lse = torch.cat(lses)
+        # the largest |dz| of a row, over |dloss|, is 1 - p(label) when nothing else shapes dz
+        # (without label smoothing or a soft-cap): the backward's exact amax before any dz exists
+        ctx.exact_amax = recipe is not None and _exact_amax(spec)
+        if ctx.exact_amax:
+            lse = torch.stack([lse, torch.cat(misses)])
+        norm = (x2d, norm_w, mean, rstd) if spec.norm is not None else ()
         if recipe is not None:
             ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]), lse, labels, n_valid,
-                                  *((bias,) if bias is not None else ()), *((g_scale,) if g_scale is not None else ()))
+                                  *((bias,) if bias is not None else ()), *((g_scale,) if g_scale is not None else ()),
+                                  *norm)
         else:
             ctx.save_for_backward(x2d, w_nk, lse, labels, n_valid, *((bias,) if bias is not None else ()))
         ctx.has_g_scale = g_scale is not None
@@ -194,7 +232,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logits):
         spec, recipe = ctx.spec, ctx.spec.recipe
-        x_dtype, w_dtype, b_dtype = ctx.dtypes
+        x_dtype, w_dtype, b_dtype, _ = ctx.dtypes
         saved = list(ctx.saved_tensors)
         if recipe is not None:
             xq, x_sinv, wq, w_sinv, xw_amax, lse, labels, n_valid = saved[:8]
@@ -206,21 +244,32 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             operands = (x2d, w_nk)
         bias = rest.pop(0) if ctx.has_bias else None
         g_scale = rest.pop(0) if ctx.has_g_scale else None
+        norm_saved = rest[:4] if spec.norm is not None else None
+
         dloss = grad_loss.float()
         if spec.reduction == "mean":
             dloss = dloss / n_valid.clamp(min=1)
         need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        if spec.norm is not None:   # the layer's input gradient feeds the norm's backward, in fp32
+            need_dx = need_dx or ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
+        dx_dtype = torch.float32 if spec.norm is not None else x_dtype
+        if ctx.exact_amax:
+            lse, miss = lse[0], lse[1]
         if recipe is not None:
-            g_dtype = recipe.fp8_format.dtype_for("grad_output")
-            # every |dz| <= |dloss| (module docstring): a scale known before any dz exists
-            bound = dloss.abs().reshape(1)
-            if g_scale is None:
-                g_scale = torch.where(bound > 0, fp8_max(g_dtype) / bound, 1.0)
+            if g_scale is None and ctx.exact_amax:
+                # dz's amax as the unfused path finds it on dz in the layer's dtype
+                amax = (miss.max() * dloss.abs()).to(x_dtype).float().reshape(1)
+                g_scale = current_scale(amax, "grad_output", recipe)
+            elif g_scale is None:
+                # every |dz| <= |dloss| (module docstring): a scale known before any dz exists
+                bound = dloss.abs().reshape(1)
+                g_scale = torch.where(bound > 0, fp8_max(recipe.fp8_format.dtype_for("grad_output")) / bound, 1.0)
             g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
         dxs, dw, db, g_amax = [], None, None, None
         for xc, lc, lsec in zip(operands[0].tensor_split(ctx.chunks), labels.tensor_split(ctx.chunks),
                                 lse.tensor_split(ctx.chunks)):
-            z = _layer(ctx, xc, operands[1], x_sinv if recipe else None, w_sinv if recipe else None, bias)
+            z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv if recipe else None,
+                                                      w_sinv if recipe else None, bias, x_dtype)
             zl, tanhs = _apply_steps(z, spec.steps)
             dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec)
             dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
@@ -230,44 +279,71 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             if recipe is None:
                 if need_dx:
                     dxs.append(dz @ operands[1])
-                if need_dw:
-                    part = dz.float().t() @ xc.float()
+                if need_dw:   # fp32 partial sums; a bf16 / fp16 GEMM's output is upcast to add (GPU speed)
+                    part = dz.t() @ xc if xc.dtype == torch.float32 else (dz.t() @ xc).float()
                     dw = part if dw is None else dw + part
                 continue
             amax = tensor_amax(dz)
             g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
             gq = quantize_per_tensor(dz, "grad_output", recipe, g_scale, amax)[0].contiguous()
             if need_dx:
-                dxs.append(fp8_gemm(gq, column_major(wq), g_sinv, w_sinv, out_dtype=x_dtype))
+                dxs.append(fp8_gemm(gq, column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype))
             if need_dw:
                 part = fp8_gemm(gq.t().contiguous(), column_major(xc), g_sinv, x_sinv, out_dtype=torch.float32)
                 dw = part if dw is None else dw + part
-        dx = torch.cat(dxs).to(x_dtype) if need_dx else None
+        dx = torch.cat(dxs).to(dx_dtype) if need_dx else None
         dw = dw.to(w_dtype) if need_dw else None
         db = db.to(b_dtype) if need_db else None
+        dnw = dnb = None
+        if norm_saved is not None and dx is not None:
+            x2d, norm_w, mean, rstd = norm_saved
+            dx, dnw, dnb = norm_backward(dx, x2d, norm_w, mean, rstd, spec.norm)
+            has_w, has_b = ctx.has_norm
+            dnw, dnb = (dnw if has_w else None), (dnb if has_b else None)
         carrier_grad = None
-        if recipe is not None and ctx.needs_input_grad[6]:
+        if recipe is not None and ctx.needs_input_grad[8]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, db, None, None, None, carrier_grad, None, None, None
+        return dx, dw, db, None, dnw, dnb, None, None, carrier_grad, None, None, None
+
+
+def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
+    """One chunk's logits z = xc @ w.T (+ bias) in ``out_dtype``: the FP8 GEMM of the quantized bytes
+    (x_sinv, w_sinv: their scale_inv [1]), or the high-precision product (x_sinv None)."""
+    if x_sinv is None:
+        return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
+    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype)
+    return z if bias is None else z + bias
 
 
 def _layer(ctx, xc, w, x_sinv, w_sinv, bias) -> torch.Tensor:
-    """One chunk's logits z = xc @ w.T (+ bias) in x's dtype: the FP8 GEMM of the saved bytes, or the
-    high-precision product."""
-    if x_sinv is None:
-        return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
-    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=ctx.dtypes[0])
-    return z if bias is None else z + bias
+    return _logits(xc, w, x_sinv, w_sinv, bias, ctx.dtypes[0])
+
+
+@torch.library.custom_op("te_compile::recompute_logits", mutates_args=())
+def recompute_logits(xc: torch.Tensor, w: torch.Tensor, x_sinv: Optional[torch.Tensor],
+                     w_sinv: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+                     out_dtype: torch.dtype) -> torch.Tensor:
+    """The backward's chunk logits, the forward's GEMM behind an opaque op. Traced as plain ops, the
+    backward's recomputation would be the forward's to AOTAutograd's CSE, which merges the two, and
+    the partitioner would then save every chunk's [c, V] logits for the backward."""
+    return _logits(xc, w, x_sinv, w_sinv, bias, out_dtype)
+
+
+@recompute_logits.register_fake
+def _(xc, w, x_sinv, w_sinv, bias, out_dtype):
+    return xc.new_empty((xc.shape[0], w.shape[0]), dtype=out_dtype if x_sinv is not None else xc.dtype)
 
 
 class LinearCrossEntropyLowering:
     """Callable inserted into the FX graph for one fused site: ``(x, w, b, labels, *delayed) -> (loss,
     logits or None)``.
 
-    x: [..., K] the layer's input, already cut to the rows the loss reads (the pass replays the
-    logits' row slicing on it); w: [V, K] ([K, V] with ``spec.weight_in_out``); b: [V] or None;
-    labels: the loss's targets, one per row of x; delayed: DelayedScaling's (carrier, input, weight,
-    grad_output scales) or empty. Under autocast the operands are cast as the linear would cast them.
+    x: [..., K] the layer's input (the final norm's input with ``spec.norm``), already cut to the rows
+    the loss reads (the pass replays the logits' row slicing on it); w: [V, K] ([K, V] with
+    ``spec.weight_in_out``); b: [V] or None; labels: the loss's targets, one per row of x; norm_w,
+    norm_b: the fused norm's weight and bias, or None; delayed: DelayedScaling's (carrier, input,
+    weight, grad_output scales) or empty. Under autocast the operands are cast as the linear would
+    cast them.
     """
 
     def __init__(self, spec: LinearCrossEntropySpec) -> None:
@@ -275,29 +351,35 @@ class LinearCrossEntropyLowering:
             raise ValueError(f"reduction must be 'mean' or 'sum', got {spec.reduction!r}")
         if spec.recipe is not None and not spec.recipe.per_tensor:
             raise ValueError(f"the fused output layer takes a per-tensor recipe or None, got {spec.recipe.name}")
+        if spec.norm is not None and spec.recipe is None:
+            raise ValueError("a norm is fused into the output layer under a per-tensor FP8 recipe only")
         self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
         self.__name__ = f"te_linear_cross_entropy_{spec.recipe.name if spec.recipe else 'hp'}"
         self.__qualname__ = self.__name__
         self.__module__ = __name__
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
+                 norm_w: Optional[torch.Tensor] = None, norm_b: Optional[torch.Tensor] = None,
                  *delayed: Optional[torch.Tensor]):
         dtype = autocast_dtype(x)
         if dtype is not None:
+            if self.spec.norm is not None:
+                raise RuntimeError(f"{self!r}: a norm fused into the output layer under autocast is not supported; "
+                                   "set [rewrite] rms_norm / layer_norm = false")
             x, weight = x.to(dtype), weight.to(dtype)
             bias = bias.to(dtype) if bias is not None else None
             with torch.autocast(x.device.type, enabled=False):
-                return self._call(x, weight, bias, labels, delayed)
-        return self._call(x, weight, bias, labels, delayed)
+                return self._call(x, weight, bias, labels, norm_w, norm_b, delayed)
+        return self._call(x, weight, bias, labels, norm_w, norm_b, delayed)
 
-    def _call(self, x, weight, bias, labels, delayed):
+    def _call(self, x, weight, bias, labels, norm_w, norm_b, delayed):
         w_nk = weight.t() if self.spec.weight_in_out else weight
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
         rows = chunk_rows(_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
         chunks = max(1, -(-_hint(m) // rows))
-        loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), self.spec, chunks,
-                                                        *(delayed or (None,) * 4))
+        loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), norm_w, norm_b,
+                                                        self.spec, chunks, *(delayed or (None,) * 4))
         if logits is not None:
             logits = logits.reshape(*x.shape[:-1], w_nk.shape[0])
         return loss, logits

@@ -12,8 +12,8 @@ indices, no class weights, reduction ``mean`` or ``sum`` (Hugging Face's ``num_i
 division stays in the graph, after the op). When the model also returns the logits, the op computes
 them for that output, without saving them; they do not require grad.
 
-Runs right after the linear passes: the final norm's fusion would otherwise take the output layer.
-One row per loss site, ``op = "linear_cross_entropy"``, named after the output layer's module.
+Runs right after the linear passes: the final norm's fusion would otherwise take the output layer
+(the norm pass then fuses that norm into this op, norm_fusion.py). One row per loss site, ``op = "linear_cross_entropy"``, named after the output layer's module.
 """
 
 from __future__ import annotations
@@ -256,8 +256,9 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
         note = ("; the logits are still computed for the model's output (they do not require grad)"
                 if path.exposed is not None else "")
         record(True, f"fused with {layer_fqn or 'the output layer'} ({what}): {chunk}-row chunks, saving {saved} "
-                     f"and one logsumexp per token, no [tokens, {vocab}] logits{note}", label)
-        _replace(scope.graph, node, path, LinearCrossEntropyLowering(spec), (x, weight, bias, args["target"], *extra))
+                     f"and fp32 statistics per token, no [tokens, {vocab}] logits{note}", label)
+        _replace(scope.graph, node, path, LinearCrossEntropyLowering(spec),
+                 (x, weight, bias, args["target"], None, None, *extra))
         count += 1
     return count
 

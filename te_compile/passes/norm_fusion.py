@@ -15,6 +15,7 @@ site: "fused into <the linears' paths>", or why not.
 from __future__ import annotations
 
 import operator
+from dataclasses import replace
 from typing import Optional
 
 import torch.fx as fx
@@ -25,8 +26,8 @@ from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
-from .matching import method_or_name, shape_text, written_between
-from .readers import Reader, dying, find_readers, linear_fusable, linear_name, view_inputs
+from .matching import dtype_of, method_or_name, shape_text, written_between
+from .readers import Reader, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .context import PassContext
 
 __all__ = ["fuse_norms"]
@@ -73,9 +74,17 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
         order = {n: i for i, n in enumerate(scope.graph.nodes)}
         readers.linears.sort(key=lambda r: order[r.node])
         losses = [n for n in readers.others if isinstance(n.target, LinearCrossEntropyLowering)]
-        if not readers.linears and losses and len(losses) == len(readers.others):
-            _record(ctx, scope, site, False, f"read by the fused output layer and loss of {losses[0].target.spec.fqn}, "
-                                             "which quantizes it (no norm is fused into that op yet)")
+        if not readers.linears and len(losses) == 1 and len(readers.others) == 1:
+            loss = losses[0]
+            why = _loss_unfusable(site, loss, order)
+            recipe = loss.target.spec.recipe
+            if why is not None:
+                _record(ctx, scope, site, False, f"read by the fused output layer and loss of {loss.target.spec.fqn}: "
+                                                 f"{why}", recipe.name if recipe is not None else None)
+                continue
+            _fuse_into_loss(scope, site, loss)
+            _record(ctx, scope, site, True, f"fused into {loss.target.spec.fqn}'s output layer and loss", recipe.name)
+            count += 1
             continue
         if not readers.linears:
             names = sorted({method_or_name(n) or n.op for n in readers.others})
@@ -108,6 +117,56 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
         _record(ctx, scope, site, True, reason, recipe)
         count += 1
     return count
+
+
+def _loss_casts(site: NormSite, loss: fx.Node) -> Optional[tuple]:
+    """The casts on the way when the fused loss reads the norm's output as its layer input, through
+    ops that hand the values on unchanged, each read only by the next; else None."""
+    node, casts = site.node, ()
+    while True:
+        users = list(node.users)
+        if len(users) != 1:
+            return None
+        if users[0] is loss:
+            return casts if loss.args[0] is node and node not in loss.args[1:] else None
+        kind = passes_through(users[0], node)
+        if kind is None:
+            return None
+        casts += (dtype_of(users[0]),) if kind == "cast" else ()
+        node = users[0]
+
+
+def _loss_unfusable(site: NormSite, loss: fx.Node, order: dict[fx.Node, int]) -> Optional[str]:
+    """Why the norm cannot go into the fused output layer and loss ``loss`` reads it as, or None."""
+    spec = loss.target.spec
+    if spec.recipe is None:
+        return "it runs in high precision (norms fuse into FP8 GEMMs)"
+    if spec.norm is not None:
+        return "a norm is fused there already"
+    if _loss_casts(site, loss) is None:
+        return "its output reaches the op through a row slice or other ops (not fused)"
+    for what, node in (("input", site.x), ("output", site.node)):
+        names = written_between(node, node, loss, order)
+        if names:
+            return f"its {what} is written in place ({', '.join(names)}) before the loss (not fused)"
+    return None
+
+
+def _fuse_into_loss(scope: GraphScope, site: NormSite, loss: fx.Node) -> None:
+    """The loss op takes the norm's input and parameters instead of its output."""
+    spec = loss.target.spec
+    norm = replace(site.spec, casts=site.spec.casts + _loss_casts(site, loss))
+    lowering = LinearCrossEntropyLowering(replace(spec, norm=norm))
+    x, w, b, labels, _, _, *extra = loss.args
+    chain, node = [], x
+    while node is not site.node:
+        chain.append(node)
+        node = node.args[0]
+    loss.target = lowering
+    loss.args = (site.x, w, b, labels, site.weight, site.bias, *extra)
+    for gone in [*chain, site.node]:   # the casts and views on the way, then the norm itself
+        if not gone.users:
+            scope.graph.erase_node(gone)
 
 
 def _written_in_place(site: NormSite, chosen: list[Reader], order: dict[fx.Node, int]) -> Optional[str]:
