@@ -117,10 +117,11 @@ def test_every_row_ignored_gives_torchs_loss_and_zero_gradients(reduction, expec
 
 
 def test_chunk_rows_keeps_a_chunks_logits_about_as_large_as_the_input():
-    assert chunk_rows(8192, 4096, 128256) == 512     # 8192 * 4096 / 128256 = 261.6 -> 512
-    assert chunk_rows(100, 64, 64) == 100            # never more than the rows
-    assert chunk_rows(1000, 8, 50000) == 16          # never fewer than 16
-    assert chunk_rows(1000, 8, 50000, chunk=3) == 3  # the config's choice
+    assert chunk_rows(8192, 4096, 128256) == 512       # 8192 * 4096 / 128256 = 261.6 -> 512
+    assert chunk_rows(100, 64, 64) == 100              # never more than the rows
+    assert chunk_rows(100_000, 8, 5_000_000) == 16     # never fewer than 16
+    assert chunk_rows(100_000, 8, 50_000) == 84        # nor under 2**22 logits a chunk
+    assert chunk_rows(1000, 8, 50_000, chunk=3) == 3   # the config's choice
     with pytest.raises(ValueError, match="reduction must be"):
         LinearCrossEntropyLowering(LinearCrossEntropySpec("lm_head", None, reduction="none"))
 

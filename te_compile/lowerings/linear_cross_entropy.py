@@ -55,8 +55,10 @@ __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossE
            "recompute_logits"]
 
 # a chunk's logits are kept about as large as the layer's input (Liger-Kernel's rule): rows = M * K / V,
-# rounded up to a power of two, never fewer than this
+# rounded up to a power of two, never fewer than 16, and never so few that a chunk holds under 2**22
+# logits (16 MiB in fp32): smaller chunks save no memory worth their unrolled GEMMs' compile time
 _MIN_CHUNK = 16
+_MIN_CHUNK_LOGITS = 1 << 22
 
 
 @dataclass(frozen=True)
@@ -82,11 +84,12 @@ class LinearCrossEntropySpec:
 
 def chunk_rows(m: int, k: int, v: int, chunk: int = 0) -> int:
     """Rows per chunk for ``m`` tokens of width ``k`` and ``v`` classes: ``chunk`` when set, else the
-    power of two at or above m * k / v (a chunk's logits about as large as the input), within [16, m]."""
+    power of two at or above m * k / v (a chunk's logits about as large as the input), at least 16
+    rows and 2**22 logits, at most m."""
     if chunk > 0:
         return max(1, min(chunk, m))
     rows = 1 << max(0, math.ceil(math.log2(max(1, -(-m * k // v)))))
-    return max(1, min(m, max(_MIN_CHUNK, rows)))
+    return max(1, min(m, max(_MIN_CHUNK, -(-_MIN_CHUNK_LOGITS // v), rows)))
 
 
 def _hint(n) -> int:
