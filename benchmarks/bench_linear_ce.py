@@ -153,7 +153,7 @@ def main() -> None:
               "n/a" if r["saved"] is None else f"{r['saved']:.2f}", ratio(r, "saved"),
               "n/a" if r["peak"] is None else f"{r['peak']:.1f}", ratio(r, "peak"), r["note"]) for r in rows]
     print()
-    print(tabulate(table, headers=["provider", "median ms", "vs inductor", "saved MiB", "saved vs inductor",
+    print(tabulate(table, headers=["provider", "median ms", "time / inductor", "saved MiB", "saved vs inductor",
                                    "peak MiB (CUDA)", "peak vs inductor", "note"], disable_numparse=True))
     print("\ngoals: fused saved bytes <= 0.125x unfused; peak <= 0.25x (CUDA); step <= 1.05x unfused (GPU)")
 
