@@ -152,7 +152,8 @@ class NanoGPTHead(nn.Module):
 
 
 def _train_pair(model, recipe, idx, targets, **rewrite):
-    """(fused model, unfused model, fused outputs, unfused outputs), one forward + backward each."""
+    """(fused model, unfused model, fused outputs, unfused outputs), one forward + backward each; the
+    outputs are (logits, loss, the report's rows). The norm stays unfused unless ``rewrite`` says."""
     ref = copy.deepcopy(model)
     outs = []
     for m, on in ((model, True), (ref, False)):
@@ -162,9 +163,12 @@ def _train_pair(model, recipe, idx, targets, **rewrite):
                                      rewrite={"linear_cross_entropy": on, "layer_norm": False, **rewrite})
         logits, loss = torch.compile(m, backend=backend)(idx, targets)
         loss.backward()
-        rows = [r for r in te_compile.report().sites if r.op == "linear_cross_entropy"]
-        outs.append((logits, loss, rows))
+        outs.append((logits, loss, te_compile.report().sites))
     return model, ref, outs[0], outs[1]
+
+
+def _rows(sites, op="linear_cross_entropy"):
+    return [r for r in sites if r.op == op]
 
 
 @pytest.mark.parametrize("recipe, form", [
@@ -176,8 +180,9 @@ def test_nanogpt_head_is_fused_with_the_unfused_loss_and_logits(recipe, form):
     idx = torch.randint(0, 64, (2, 16))
     targets = torch.randint(0, 64, (2, 16))
     targets[0, :4] = -1
-    fused, ref, (logits, loss, rows), (ref_logits, ref_loss, ref_rows) = _train_pair(
+    fused, ref, (logits, loss, sites), (ref_logits, ref_loss, ref_sites) = _train_pair(
         model, recipe, idx, targets, linear_cross_entropy_chunk=8)
+    rows, ref_rows = _rows(sites), _rows(ref_sites)
     assert [r.rewritten for r in rows] == [True], rows
     assert "8-row chunks" in rows[0].reason and "no [tokens, 64] logits" in rows[0].reason
     assert [r.rewritten for r in ref_rows] == [False]
@@ -196,21 +201,11 @@ def test_final_norm_fuses_into_the_op_as_it_fuses_into_the_unfused_head(recipe):
     the same FP8 operand, so the same logits; DelayedScaling (the same grad_output scale) gives the
     same gradients bit for bit."""
     torch.manual_seed(0)
-    model = NanoGPTHead()
     idx, targets = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
-    ref = copy.deepcopy(model)
-    outs = []
-    for m, on in ((model, True), (ref, False)):
-        torch._dynamo.reset()
-        te_compile.reset()
-        backend = te_compile.backend(recipe=recipe, compiler="aot_eager",
-                                     rewrite={"linear_cross_entropy": on, "linear_cross_entropy_chunk": 8})
-        logits, loss = torch.compile(m, backend=backend)(idx, targets)
-        loss.backward()
-        outs.append((logits, loss, {s.op: s.reason for s in te_compile.report().sites if s.fqn == "ln_f"}))
-    (logits, loss, rows), (ref_logits, ref_loss, ref_rows) = outs
-    assert rows["layer_norm"] == "fused into lm_head's output layer and loss"
-    assert ref_rows["layer_norm"] == "fused into lm_head"
+    model, ref, (logits, loss, sites), (ref_logits, ref_loss, ref_sites) = _train_pair(
+        NanoGPTHead(), recipe, idx, targets, layer_norm=True, linear_cross_entropy_chunk=8)
+    assert [r.reason for r in _rows(sites, "layer_norm")] == ["fused into lm_head's output layer and loss"]
+    assert [r.reason for r in _rows(ref_sites, "layer_norm")] == ["fused into lm_head"]
     assert_bitwise_equal(logits, ref_logits.detach())
     assert abs(float(loss) - float(ref_loss)) <= 1e-6 * float(ref_loss)
     for (name, p), q in zip(model.named_parameters(), ref.parameters()):
