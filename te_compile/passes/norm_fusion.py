@@ -10,6 +10,9 @@ site: "fused into <the linears' paths>", or why not.
 
     h = ln(x); q = q_proj(h); k = k_proj(h.view(...)); r = h + 1
  -> q, k, h = te_norm_linears(x, ln.w, ln.b, (x, x.view(...)), ((q.w, q.b), (k.w, k.b))); r = h + 1
+
+A final norm whose only reader is the FP8 output-layer-and-loss op (linear_cross_entropy.py) goes into
+that op instead: it then takes the norm's input and parameters, and its norm spec.
 """
 
 from __future__ import annotations
