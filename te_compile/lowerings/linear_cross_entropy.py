@@ -180,27 +180,25 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         ctx.has_norm = (norm_w is not None, norm_b is not None)
         # the layer's input dtype: the norm's output dtype when a norm is fused in front
         ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
-                      None if bias is None else bias.dtype, x2d.dtype)
-        if spec.norm is not None:
+                      None if bias is None else bias.dtype)
+        x_sinv = w_sinv = None
+        operands = (x2d, w_nk)
+        if spec.norm is not None:   # the norm kernels write the layer's FP8 input
             mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, spec.norm)
             if x_scale is None:
                 x_scale = current_scale(x_amax, "input", recipe)
             xq = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, spec.norm,
                                recipe.fp8_format.dtype_for("input"))[0]
             x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
-            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
-            wq = wq.contiguous()
-            operands = (xq, wq)
         elif recipe is not None:
             xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale)
+        if recipe is not None:
             wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
             wq = wq.contiguous()
             operands = (xq, wq)
-        else:
-            operands = (x2d, w_nk)
         total, logits, lses, misses = None, [], [], []
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
-            z = _layer(ctx, xc, operands[1], x_sinv if recipe else None, w_sinv if recipe else None, bias)
+            z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0])
             if spec.logits_steps >= 0:
                 logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
             zl, _ = _apply_steps(z, spec.steps)
@@ -235,7 +233,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_logits):
         spec, recipe = ctx.spec, ctx.spec.recipe
-        x_dtype, w_dtype, b_dtype, _ = ctx.dtypes
+        x_dtype, w_dtype, b_dtype = ctx.dtypes
         saved = list(ctx.saved_tensors)
         if recipe is not None:
             xq, x_sinv, wq, w_sinv, xw_amax, lse, labels, n_valid = saved[:8]
@@ -244,7 +242,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         else:
             x2d, w_nk, lse, labels, n_valid = saved[:5]
             rest = saved[5:]
-            operands = (x2d, w_nk)
+            operands, x_sinv, w_sinv = (x2d, w_nk), None, None
         bias = rest.pop(0) if ctx.has_bias else None
         g_scale = rest.pop(0) if ctx.has_g_scale else None
         norm_saved = rest[:4] if spec.norm is not None else None
@@ -271,8 +269,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dxs, dw, db, g_amax = [], None, None, None
         for xc, lc, lsec in zip(operands[0].tensor_split(ctx.chunks), labels.tensor_split(ctx.chunks),
                                 lse.tensor_split(ctx.chunks)):
-            z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv if recipe else None,
-                                                      w_sinv if recipe else None, bias, x_dtype)
+            z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv, w_sinv, bias, x_dtype)
             zl, tanhs = _apply_steps(z, spec.steps)
             dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec)
             dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
@@ -316,10 +313,6 @@ def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
         return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
     z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype)
     return z if bias is None else z + bias
-
-
-def _layer(ctx, xc, w, x_sinv, w_sinv, bias) -> torch.Tensor:
-    return _logits(xc, w, x_sinv, w_sinv, bias, ctx.dtypes[0])
 
 
 @torch.library.custom_op("te_compile::recompute_logits", mutates_args=())
