@@ -254,6 +254,14 @@ def write_json(path: str, bench: str, device: torch.device, args: argparse.Names
     print(f"\nwrote {path}")
 
 
+def failure_note(e: Exception, limit: int = 120) -> str:
+    """A provider's table note for ``e`` ("failed: <type>: <first line>"), after the whole traceback on
+    stderr: the table keeps one line, and a lent GPU's log is all there is."""
+    traceback.print_exc()
+    msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"failed: {type(e).__name__}: {msg[:limit]}"
+
+
 def run_provider(provider: Provider, build: Callable, device: torch.device,
                  args: argparse.Namespace) -> tuple[Optional[float], Optional[float], str]:
     """Compile ``build()``'s step with ``provider`` and time it: (first_s, median_s, note)."""
@@ -264,10 +272,7 @@ def run_provider(provider: Provider, build: Callable, device: torch.device,
         step = build(provider.prepare)
         first, median = time_step(step, device, args.iters, args.warmup)
     except Exception as e:  # one provider failing must not hide the others' results
-        # the whole traceback on stderr: the table keeps one line, and a lent GPU's log is all there is
-        traceback.print_exc()
-        msg = str(e).strip().splitlines()[0] if str(e).strip() else ""
-        return None, None, f"failed: {type(e).__name__}: {msg[:120]}"
+        return None, None, failure_note(e)
     return first, median, provider.note
 
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import traceback
 from typing import Callable, Optional
 
 import torch
@@ -145,9 +144,7 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
             first, median = _common.time_step(step, device, args.iters, args.warmup)
             saved = _saved_for_backward_bytes(model, x, None)
         except Exception as e:   # one provider failing must not hide the others
-            traceback.print_exc()   # the whole traceback on stderr: a lent GPU's log is all there is
-            row["note"] = f"failed: {type(e).__name__}: {str(e).strip().splitlines()[0][:100]}" if str(e).strip() \
-                else f"failed: {type(e).__name__}"
+            row["note"] = _common.failure_note(e, limit=100)
             continue
         if provider == "inductor":
             baseline, baseline_bytes = median, saved
