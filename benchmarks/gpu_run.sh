@@ -50,6 +50,32 @@ else:
 EOF
 cat "$OUT/env.txt"
 
+# torchao, carried as a wheel in .whl (see the device tool's README), for the peer's rows
+carry_torchao() {
+    if ls .whl/torchao-*.whl > /dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
+            >> "$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
+    fi
+}
+
+# timed LIMIT NAME LOG COMMAND...: COMMAND under a timeout, its output to $OUT/LOG; prints rc and seconds
+timed() {
+    local limit=$1 name=$2 log=$3 start=$SECONDS
+    shift 3
+    timeout "$limit" "$@" > "$OUT/$log" 2>&1
+    echo "$name: rc $? in $((SECONDS - start)) s"
+}
+
+# the GPT block step (block.txt) and the MoE layer at one shape (moe-NAME.txt), as the leases run them
+block_run() {
+    timed "$1" block block.txt "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
+        --recipes Float8CurrentScaling DelayedScaling
+}
+moe_run() {   # moe_run LIMIT NAME SHAPE
+    timed "$1" "moe $2" "moe-$2.txt" "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes "$3" \
+        --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input
+}
+
 case "$part" in
     tests)
         # the tests that skip without CUDA, and the kernels' tests (on a GPU their kernels compile for real)
@@ -77,71 +103,39 @@ case "$part" in
         "$PY" benchmarks/bench_attention.py --device cuda 2>&1 | tee "$OUT/attention.txt" | tail -20
         ;;
     lease-5)
-        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
-                >> "$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
-        fi
-        start=$SECONDS
-        timeout 120 "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
-            --recipes Float8CurrentScaling DelayedScaling > "$OUT/block.txt" 2>&1
-        echo "block: rc $? in $((SECONDS - start)) s"; grep -E "^2x|goal|GPT block" "$OUT/block.txt" | tail -9
-        start=$SECONDS
-        timeout 110 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes mixtral \
-            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-mixtral.txt" 2>&1
-        echo "moe mixtral: rc $? in $((SECONDS - start)) s"; grep -E "^mixtral" "$OUT/moe-mixtral.txt"
+        carry_torchao
+        block_run 120; grep -E "^2x|goal|GPT block" "$OUT/block.txt" | tail -9
+        moe_run 110 mixtral mixtral; grep -E "^mixtral" "$OUT/moe-mixtral.txt"
         for run in "inductor" "Float8CurrentScaling --fp8-format E4M3" "Float8CurrentScaling"; do
-            start=$SECONDS
             name=$(echo "$run" | tr -d ' -')
-            timeout 60 "$PY" benchmarks/profile_step.py --model moe-mixtral --top 25 --recipe $run \
-                > "$OUT/profile-moe-$name.txt" 2>&1
-            echo "profile moe $run: rc $? in $((SECONDS - start)) s"; tail -8 "$OUT/profile-moe-$name.txt"
+            timed 60 "profile moe $run" "profile-moe-$name.txt" \
+                "$PY" benchmarks/profile_step.py --model moe-mixtral --top 25 --recipe $run
+            tail -8 "$OUT/profile-moe-$name.txt"
         done
         ;;
-    lease-3|lease-4)
-        # 8 files come back at most: env, install, block, moe (two shapes), tests / profiles
-        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
-                >> "$OUT/install.log" 2>&1 && export PYTHONPATH=/tmp/site
-        fi
-        if [ "$part" = lease-4 ]; then
-            for shape in mixtral small; do
-                start=$SECONDS
-                timeout $([ $shape = mixtral ] && echo 110 || echo 90) "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes "${shape/small/small experts}" \
-                    --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-$shape.txt" 2>&1
-                echo "moe $shape: rc $? in $((SECONDS - start)) s"; tail -9 "$OUT/moe-$shape.txt"
-            done
-            for recipe in inductor Float8CurrentScaling; do
-                start=$SECONDS
-                (cd benchmarks && timeout 75 "$PY" profile_step.py --recipe "$recipe" --top 25) > "$OUT/profile-$recipe.txt" 2>&1
-                echo "profile $recipe: rc $? in $((SECONDS - start)) s"; tail -32 "$OUT/profile-$recipe.txt"
-            done
-            exit 0
-        fi
-        start=$SECONDS
-        timeout 170 "$PY" benchmarks/gpu_suite.py --no-append --only block --iters 20 \
-            --recipes Float8CurrentScaling DelayedScaling > "$OUT/block.txt" 2>&1
-        echo "block: rc $? in $((SECONDS - start)) s"; grep -vE "^\s*(File|\^)" "$OUT/block.txt" | tail -22
-        start=$SECONDS
-        timeout 150 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes mixtral \
-            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-mixtral.txt" 2>&1
-        echo "moe mixtral: rc $? in $((SECONDS - start)) s"; tail -14 "$OUT/moe-mixtral.txt"
-        start=$SECONDS
-        timeout 120 "$PY" -m pytest -q -rfEs -n 8 -p no:cacheprovider tests/test_kernel_*.py tests/test_fp_bits.py \
-            tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py tests/test_fp8_attention.py \
-            tests/test_kernels_compile.py tests/test_experiment_*.py > "$OUT/tests.log" 2>&1
-        echo "tests: rc $? in $((SECONDS - start)) s"; grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
+    lease-4)
+        carry_torchao
+        moe_run 110 mixtral mixtral; tail -9 "$OUT/moe-mixtral.txt"
+        moe_run 90 small "small experts"; tail -9 "$OUT/moe-small.txt"
+        for recipe in inductor Float8CurrentScaling; do
+            timed 75 "profile $recipe" "profile-$recipe.txt" "$PY" benchmarks/profile_step.py --recipe "$recipe" --top 25
+            tail -32 "$OUT/profile-$recipe.txt"
+        done
+        ;;
+    lease-3)
+        # 8 files come back at most: env, install, block, moe (two shapes), tests
+        carry_torchao
+        block_run 170; grep -vE "^\s*(File|\^)" "$OUT/block.txt" | tail -22
+        moe_run 150 mixtral mixtral; tail -14 "$OUT/moe-mixtral.txt"
+        timed 120 tests tests.log "$PY" -m pytest -q -rfEs -n 8 -p no:cacheprovider tests/test_kernel_*.py \
+            tests/test_fp_bits.py tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py \
+            tests/test_fp8_attention.py tests/test_kernels_compile.py tests/test_experiment_*.py
+        grep -E "passed|failed|error" "$OUT/tests.log" | tail -2
         grep -E "^(FAILED|ERROR)" "$OUT/tests.log" | head -15
-        start=$SECONDS
-        timeout 90 "$PY" benchmarks/bench_moe.py --device cuda --iters 10 --shapes "small experts" \
-            --recipes Float8CurrentScaling --e4m3-grads --no-fp8-act-input > "$OUT/moe-small.txt" 2>&1
-        echo "moe small: rc $? in $((SECONDS - start)) s"; tail -10 "$OUT/moe-small.txt"
+        moe_run 90 small "small experts"; tail -10 "$OUT/moe-small.txt"
         ;;
     lease|lease-2)
-        # torchao (carried as a wheel in .whl, see the device tool's README) for the linear rows
-        if ls .whl/torchao-*.whl > /dev/null 2>&1; then
-            "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/torchao-*.whl \
-                > "$OUT/torchao-install.log" 2>&1 && export PYTHONPATH=/tmp/site
-        fi
+        carry_torchao   # for the linear rows
         start=$SECONDS
         timeout 200 "$PY" -m pytest -q -rfEs -n 8 -p no:cacheprovider tests/test_kernel_*.py tests/test_fp_bits.py \
             tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py tests/test_fp8_attention.py \
