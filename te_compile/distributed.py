@@ -26,7 +26,7 @@ from .recipe import GEMM_ROLES
 
 __all__ = ["AmaxGroup", "NO_GROUPS", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
            "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value",
-           "expert_shard_groups", "describe_placements", "mesh_dims_group", "graph_mesh"]
+           "expert_shard_groups", "describe_placements", "mesh_dims_group", "graph_mesh", "all_reduce"]
 
 
 def is_dtensor(t) -> bool:
@@ -223,13 +223,18 @@ def merge_role_groups(*per_role) -> tuple[tuple[AmaxGroup, ...], ...]:
     return tuple(minimal_groups(g for groups in role for g in groups) for role in zip(*per_role))
 
 
+def all_reduce(t: torch.Tensor, op: str, group: AmaxGroup) -> torch.Tensor:
+    """``t`` (detached) reduced with ``op`` ("sum", "max") over ``group``: a functional collective and
+    its wait, two nodes of the traced graph."""
+    out = torch.ops._c10d_functional.all_reduce.default(t.detach(), op, group.name)
+    return torch.ops._c10d_functional.wait_tensor.default(out)
+
+
 def _all_reduce_max(t: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
     # NaN -> inf first: MAX implementations may drop a NaN, and a non-finite amax on any rank must
     # read as non-finite on every rank (delayed scaling then keeps the scale everywhere alike).
     t = t.detach()
-    t = torch.where(torch.isnan(t), torch.full_like(t, float("inf")), t)
-    out = torch.ops._c10d_functional.all_reduce.default(t, "max", group.name)
-    return torch.ops._c10d_functional.wait_tensor.default(out)
+    return all_reduce(torch.where(torch.isnan(t), torch.full_like(t, float("inf")), t), "max", group)
 
 
 def reduce_amaxes(amaxes: Sequence[torch.Tensor], groups: Sequence[Sequence[AmaxGroup]]

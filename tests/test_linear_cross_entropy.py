@@ -215,6 +215,60 @@ def test_final_norm_fuses_into_the_op_as_it_fuses_into_the_unfused_head(recipe):
             assert sqnr(q.grad, p.grad) >= 30, name
 
 
+class GptFastTail(nn.Module):
+    """gpt-fast's Transformer, one SwiGLU FFN deep: hand-written RMSNorm (mean(x * x), the weight after
+    type_as), ``forward(idx) -> logits``; the loss is the user's, in a compiled train step."""
+
+    def __init__(self, vocab=64, dim=32):
+        super().__init__()
+        self.tok_embeddings = nn.Embedding(vocab, dim)
+        self.w1, self.w3 = nn.Linear(dim, 64, bias=False), nn.Linear(dim, 64, bias=False)
+        self.w2 = nn.Linear(64, dim, bias=False)
+        self.norm_weight = nn.Parameter(torch.ones(dim))
+        self.output = nn.Linear(dim, vocab, bias=False)
+
+    def norm(self, x):
+        out = x.float() * torch.rsqrt(torch.mean(x.float() * x.float(), dim=-1, keepdim=True) + 1e-5)
+        return out.type_as(x) * self.norm_weight
+
+    def forward(self, idx):
+        x = self.tok_embeddings(idx)
+        x = x + self.w2(F.silu(self.w1(x)) * self.w3(x))
+        return self.output(self.norm(x))
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "none"])
+def test_gpt_fast_model_with_a_compiled_train_step(recipe):
+    """The loss outside the model, in the step the user compiles: gpt-fast's spelling
+    ``cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))``; under FP8 its norm joins the op."""
+    torch.manual_seed(0)
+    model = GptFastTail()
+    ref = copy.deepcopy(model)
+    idx, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
+    losses, rows = [], []
+    for m, on in ((model, True), (ref, False)):
+        torch._dynamo.reset()
+        te_compile.reset()
+
+        def step(idx, y, m=m):
+            logits = m(idx)
+            return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
+
+        backend = te_compile.backend(recipe=recipe, compiler="aot_eager",
+                                     rewrite={"linear_cross_entropy": on, "linear_cross_entropy_chunk": 8})
+        loss = torch.compile(step, backend=backend)(idx, y)
+        loss.backward()
+        losses.append(float(loss.detach()))
+        rows.append({r.op: r for r in te_compile.report().sites if r.op in ("linear_cross_entropy", "rms_norm")})
+    assert rows[0]["linear_cross_entropy"].rewritten, rows[0]["linear_cross_entropy"].reason
+    if recipe != "none":
+        assert rows[0]["rms_norm"].reason == "fused into output's output layer and loss", rows[0]["rms_norm"].reason
+    assert abs(losses[0] - losses[1]) <= 1e-5 * losses[1]
+    floor = 100 if recipe == "none" else 30
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        assert sqnr(q.grad, p.grad) >= floor, name
+
+
 def test_delayed_scaling_state_advances_as_the_unfused_sites():
     torch.manual_seed(0)
     model = NanoGPTHead()

@@ -1,4 +1,5 @@
-"""Tensor-parallel FP8 training: each MLP split column- then row-wise over the ranks.
+"""Tensor-parallel FP8 training: each MLP split column- then row-wise over the ranks, and the output
+layer split over the vocabulary with its loss computed in parallel.
 
     torchrun --nproc-per-node 2 examples/distributed/train_tp.py [config.toml]
 
@@ -7,7 +8,10 @@
 unchanged. The te backend quantizes the shards with the scale one process would compute for the
 whole tensor: current scaling all-reduces the amax of every sharded operand over the tp mesh (the
 report's "collectives" column says which), and delayed scaling reduces its histories once per graph
-and step. Default config: examples/current_scaling.toml. CPU (gloo) or CUDA (nccl, a GPU per rank).
+and step. ``lm_head`` is sharded by vocab and the loss runs under ``loss_parallel()``: te fuses the
+two into one op whose ranks all-reduce three numbers per token, never the logits (the report's
+linear_cross_entropy row). Default config: examples/current_scaling.toml. CPU (gloo) or CUDA (nccl,
+a GPU per rank).
 """
 
 import sys
@@ -15,7 +19,8 @@ from pathlib import Path
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel, parallelize_module
 
 import te_compile
 from te_compile.models import gpt_small
@@ -31,7 +36,10 @@ torch.manual_seed(0)
 model = gpt_small().to(device)
 for block in model.blocks:
     parallelize_module(block.mlp, mesh, {"fc": ColwiseParallel(), "proj": RowwiseParallel()})
+# the logits stay split by vocab (a Shard(-1) DTensor) for the loss
+parallelize_module(model, mesh, {"lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)})
 compiled = torch.compile(model, backend=te_compile.backend(config=config))
 gen = torch.Generator().manual_seed(1000)                  # tensor parallel: every rank the same batch
-train(compiled, model, device, gen, rank, STEPS, mean_over_ranks=False)
+with loss_parallel():
+    train(compiled, model, device, gen, rank, STEPS, mean_over_ranks=False)
 finish(model, rank)

@@ -42,14 +42,16 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..distributed import is_dtensor, reduce_amaxes
 from ..gemm.per_tensor import column_major, fp8_gemm
 from ..kernels.norm_quantize import norm_backward, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
-from ..quantization import current_scale, quantize_per_tensor
+from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
 from ..recipe import Recipe
 from ..scaling import fp8_max, tensor_amax
 from .fp8_linear import quantize_weight
 from .linear import autocast_dtype
+from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",
            "recompute_logits"]
@@ -129,19 +131,34 @@ def _steps_backward(dz: torch.Tensor, z: torch.Tensor, steps, tanhs: list[torch.
     return dz
 
 
-def _row_losses(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropySpec):
-    """Per-row loss terms in fp32, the row logsumexps [c] and 1 - p(label) [c] (0 for ignored rows):
-    (loss, lse, miss, valid)."""
+def _local_labels(labels: torch.Tensor, valid: torch.Tensor, v_local: int, shard: Optional[VocabShard]):
+    """(column of each row's label in these logits [c], whether it is one of them [c]): all valid rows
+    in one process; under vocab parallelism only the labels in this rank's shard."""
+    if shard is None:
+        return torch.where(valid, labels, 0), valid
+    local = labels - shard.offset
+    hit = valid & (local >= 0) & (local < v_local)
+    return torch.where(hit, local, 0), hit
+
+
+def _row_stats(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropySpec, shard: Optional[VocabShard]):
+    """One chunk's per-row values over the logits it holds, fp32 [c] each: (logsumexp, the target logit
+    (0 where the label is elsewhere or ignored), the logits' sum or None without label smoothing)."""
     zf = zl.float()
     lse = torch.logsumexp(zf, dim=-1)
-    valid = labels != spec.ignore_index
-    target = zf.gather(1, torch.where(valid, labels, 0)[:, None]).squeeze(1)
+    column, hit = _local_labels(labels, labels != spec.ignore_index, zf.shape[-1], shard)
+    target = torch.where(hit, zf.gather(1, column[:, None]).squeeze(1), 0.0)
+    return lse, target, (zf.sum(dim=-1) if spec.label_smoothing else None)
+
+
+def _row_losses(lse, target, zsum, valid, vocab: int, spec: LinearCrossEntropySpec):
+    """From the whole rows' values (fp32 [M]): the loss terms and 1 - p(label), 0 for ignored rows."""
     loss = lse - target
     if spec.label_smoothing:
         eps = spec.label_smoothing
-        loss = (1 - eps) * loss + eps * (lse - zf.mean(dim=-1))
+        loss = (1 - eps) * loss + eps * (lse - zsum / vocab)
     miss = torch.where(valid, -torch.expm1(target - lse), 0.0)
-    return torch.where(valid, loss, 0.0), lse, miss, valid
+    return torch.where(valid, loss, 0.0), miss
 
 
 def _exact_amax(spec: LinearCrossEntropySpec) -> bool:
@@ -151,32 +168,35 @@ def _exact_amax(spec: LinearCrossEntropySpec) -> bool:
 
 
 def _logit_grad(zl: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, dloss: torch.Tensor,
-                spec: LinearCrossEntropySpec) -> torch.Tensor:
-    """d loss / d z' for one chunk, fp32 [c, V]: (softmax - (1 - eps) onehot - eps / V) * dloss, zero for
-    ignored rows."""
+                spec: LinearCrossEntropySpec, shard: Optional[VocabShard]) -> torch.Tensor:
+    """d loss / d z' for one chunk's logits, fp32 [c, V] (this rank's [c, V / R] columns under vocab
+    parallelism): (softmax - (1 - eps) onehot - eps / V) * dloss, zero for ignored rows."""
     zf = zl.float()
     dz = torch.exp(zf - lse[:, None])
     eps = spec.label_smoothing
-    onehot = torch.zeros_like(dz).scatter_(1, torch.where(valid, labels, 0)[:, None], 1.0 - eps)
+    column, hit = _local_labels(labels, valid, zf.shape[-1], shard)
+    onehot = torch.zeros_like(dz).scatter_(1, column[:, None], torch.where(hit, 1.0 - eps, 0.0)[:, None])
     dz = dz - onehot
     if eps:
-        dz = dz - eps / zf.shape[-1]
+        dz = dz - eps / (shard.vocab if shard is not None else zf.shape[-1])
     return dz * torch.where(valid, dloss, 0.0)[:, None]
 
 
 class LinearCrossEntropyFunction(torch.autograd.Function):
     """The chunked output layer and loss. x2d [M, K], w_nk [V, K], bias [V] or None, labels int [M].
 
-    DelayedScaling passes its carrier and the three roles' scales as the linears do (the backward
-    returns [input, weight, grad_output] amaxes as the carrier's gradient); otherwise None for all
-    four. Returns (loss, logits [M, V] or None): the logits only when ``spec.logits_steps`` >= 0, as a
+    ``shard``: this rank's vocab slice when the weight is sharded by vocab (vocab_parallel.py; w_nk and
+    bias are then the local rows), else None. DelayedScaling passes its carrier and the three roles'
+    scales as the linears do (the backward returns [input, weight, grad_output] amaxes as the
+    carrier's gradient); otherwise None for all four. Returns (loss, logits [M, V] or None): the logits only when ``spec.logits_steps`` >= 0, as a
     non-differentiable output (nothing reads them for the loss's gradient).
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, carrier, x_scale, w_scale, g_scale):
+    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, shard, carrier, x_scale, w_scale,
+                g_scale):
         recipe = spec.recipe
-        ctx.spec, ctx.chunks, ctx.has_bias = spec, chunks, bias is not None
+        ctx.spec, ctx.chunks, ctx.shard, ctx.has_bias = spec, chunks, shard, bias is not None
         ctx.has_norm = (norm_w is not None, norm_b is not None)
         # the layer's input dtype: the norm's output dtype when a norm is fused in front
         ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
@@ -193,30 +213,35 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         elif recipe is not None:
             xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale)
         if recipe is not None:
-            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale)
+            w_amax = None
+            if shard is not None and w_scale is None and not weight_is_operand(w_nk, recipe):
+                # a shard's rows: the whole weight's amax, so each rank holds one process's bytes
+                [w_amax] = reduce_amaxes([tensor_amax(w_nk)], [(shard.group,)])
+            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
             wq = wq.contiguous()
             operands = (xq, wq)
-        total, logits, lses, misses = None, [], [], []
+        logits, stats = [], []
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
             z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0])
             if spec.logits_steps >= 0:
                 logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
-            zl, _ = _apply_steps(z, spec.steps)
-            loss, lse, miss, _ = _row_losses(zl, lc, spec)
-            lses.append(lse)
-            misses.append(miss)
-            total = loss.sum() if total is None else total + loss.sum()
+            stats.append(_row_stats(_apply_steps(z, spec.steps)[0], lc, spec, shard))
+        lse, target = torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats])
+        zsum = torch.cat([s[2] for s in stats]) if spec.label_smoothing else None
+        if shard is not None:   # this rank's vocab slice -> the whole rows, [M]-sized all-reduces
+            lse, target, zsum = combine_row_stats(lse, target, zsum, shard)
+        valid = labels != spec.ignore_index
+        rows, miss = _row_losses(lse, target, zsum, valid, w_nk.shape[0] if shard is None else shard.vocab, spec)
         out_dtype = ctx.dtypes[0]
         for kind, value in spec.steps:
             out_dtype = value if kind == "cast" else out_dtype
-        n_valid = (labels != spec.ignore_index).sum()
-        loss = total / n_valid if spec.reduction == "mean" else total
-        lse = torch.cat(lses)
+        n_valid = valid.sum()
+        loss = rows.sum() / n_valid if spec.reduction == "mean" else rows.sum()
         # the largest |dz| of a row, over |dloss|, is 1 - p(label) when nothing else shapes dz
         # (without label smoothing or a soft-cap): the backward's exact amax before any dz exists
         ctx.exact_amax = recipe is not None and _exact_amax(spec)
         if ctx.exact_amax:
-            lse = torch.stack([lse, torch.cat(misses)])
+            lse = torch.stack([lse, miss])
         norm = (x2d, norm_w, mean, rstd) if spec.norm is not None else ()
         if recipe is not None:
             ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]), lse, labels, n_valid,
@@ -271,7 +296,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                 lse.tensor_split(ctx.chunks)):
             z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv, w_sinv, bias, x_dtype)
             zl, tanhs = _apply_steps(z, spec.steps)
-            dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec)
+            dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec, ctx.shard)
             dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
             if need_db:
                 part = dz.float().sum(0)
@@ -301,9 +326,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             has_w, has_b = ctx.has_norm
             dnw, dnb = (dnw if has_w else None), (dnb if has_b else None)
         carrier_grad = None
-        if recipe is not None and ctx.needs_input_grad[8]:
+        if recipe is not None and ctx.needs_input_grad[9]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, db, None, dnw, dnb, None, None, carrier_grad, None, None, None
+        return dx, dw, db, None, dnw, dnb, None, None, None, carrier_grad, None, None, None
 
 
 def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
@@ -370,14 +395,27 @@ class LinearCrossEntropyLowering:
 
     def _call(self, x, weight, bias, labels, norm_w, norm_b, delayed):
         w_nk = weight.t() if self.spec.weight_in_out else weight
+        logits_shape = (*x.shape[:-1], w_nk.shape[0])
+        plan = None
+        if is_dtensor(x) or is_dtensor(w_nk):   # tensor parallel: the vocab sharded over one mesh dim
+            try:
+                plan = plan_vocab_parallel(x, weight, bias, labels, w_in_out=self.spec.weight_in_out)
+            except ValueError as e:
+                raise ValueError(f"{self!r}: {e}") from None
+            if self.spec.norm is not None:
+                raise ValueError(f"{self!r}: a norm fused into a vocab-parallel output layer is not supported")
+            x, w_nk, bias, labels = plan.local_operands(x, w_nk, bias, labels)
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
         rows = chunk_rows(_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
         chunks = max(1, -(-_hint(m) // rows))
         loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), norm_w, norm_b,
-                                                        self.spec, chunks, *(delayed or (None,) * 4))
+                                                        self.spec, chunks, plan.shard if plan else None,
+                                                        *(delayed or (None,) * 4))
         if logits is not None:
-            logits = logits.reshape(*x.shape[:-1], w_nk.shape[0])
+            logits = logits.reshape(*logits_shape[:-1], w_nk.shape[0])
+        if plan is not None:
+            loss, logits = plan.wrap(loss, logits, logits_shape)
         return loss, logits
 
     def __repr__(self) -> str:

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ..distributed import is_dtensor
 from ..lowerings.linear import LinearLowering
 from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering, LinearCrossEntropySpec, chunk_rows
+from ..lowerings.vocab_parallel import plan_vocab_parallel
 from .context import PassContext
 from .graphs import GraphScope, module_fqn
 from .matching import CASTS, MUL, calls, method_or_name, shape_of, value_of, written_between
@@ -133,8 +134,8 @@ def _walk(loss: fx.Node, loss_input: fx.Node, is_layer) -> _Path:
                 return path
             if value_of(node).dtype != value_of(src).dtype:
                 path.steps.insert(0, ("cast", value_of(node).dtype))
-        elif name == "contiguous":
-            pass
+        elif name == "contiguous" or (name == "redistribute" and _same_placements(node, src)):
+            pass   # a redistribute to the placements it has (ColwiseParallel's output_layouts=Shard(-1))
         elif name in _VIEWS:
             shape = shape_of(node)
             if shape is None or len(shape) != 2:
@@ -154,6 +155,11 @@ def _walk(loss: fx.Node, loss_input: fx.Node, is_layer) -> _Path:
             return path
         path.exposed_steps = len(path.steps) - path.exposed_steps
     return path
+
+
+def _same_placements(node: fx.Node, src) -> bool:
+    a, b = value_of(node), value_of(src)
+    return is_dtensor(a) and is_dtensor(b) and tuple(a.placements) == tuple(b.placements)
 
 
 def _keeps_last_dim(node: fx.Node) -> bool:
@@ -234,8 +240,13 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
             why = "the loss reads logits that are not [tokens, vocab]"
         x, weight, bias, extra, recipe, weight_in_out, layer_fqn = (_layer_operands(layer, plain) if why is None
                                                                    else (None,) * 7)
+        plan = None
         if why is None and any(is_dtensor(value_of(t)) for t in (x, weight) if t is not None):
-            why = "DTensor operands (the vocab-parallel loss is not done yet)"
+            try:
+                plan = plan_vocab_parallel(value_of(x), value_of(weight), value_of(bias) if bias is not None else None,
+                                           value_of(args["target"]), w_in_out=weight_in_out)
+            except ValueError as e:
+                why = f"vocab parallel: {e}"
         if why is None:
             names = written_between(x, layer, node)
             why = f"its input is written in place ({', '.join(names)}) before the loss" if names else None
@@ -250,13 +261,19 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
         rows = 1
         for d in shape_of(args["input"])[:-1]:
             rows *= int(d) if not isinstance(d, torch.SymInt) else (d.node.hint or 1)
-        chunk = chunk_rows(rows, value_of(x).shape[-1], vocab, spec.chunk)
+        local = plan.shard.local if plan is not None else vocab
+        chunk = chunk_rows(rows, value_of(x).shape[-1], local, spec.chunk)
         what = f"{recipe.name} FP8 GEMMs" if recipe is not None else "high-precision GEMMs"
+        collectives = ""
+        if plan is not None:
+            what += f", vocab parallel: [tokens, {local}] logits per rank"
+            collectives = (f"all-reduce over {plan.shard.group}: per token max (MAX), sum-exp and target logit "
+                           f"(SUM){'; weight amax (MAX)' if recipe is not None and not recipe.delayed() else ''}")
         saved = "x in FP8" if recipe is not None else "x"
         note = ("; the logits are still computed for the model's output (they do not require grad)"
                 if path.exposed is not None else "")
         record(True, f"fused with {layer_fqn or 'the output layer'} ({what}): {chunk}-row chunks, saving {saved} "
-                     f"and fp32 statistics per token, no [tokens, {vocab}] logits{note}", label)
+                     f"and fp32 statistics per token, no [tokens, {vocab}] logits{note}", label, collectives)
         _replace(scope.graph, node, path, LinearCrossEntropyLowering(spec),
                  (x, weight, bias, args["target"], None, None, *extra))
         count += 1
