@@ -99,15 +99,25 @@ def mesh_dims_group(mesh, dims: Sequence[int]) -> tuple[AmaxGroup, ...]:
     return minimal_groups([_group(flat.get_group(0), "_".join(names[d] for d in dims))])
 
 
-def expert_shard_groups(weight) -> tuple[AmaxGroup, ...]:
-    """For a 3-D expert weight [E, ...] sharded as a DTensor, the mesh dims whose ranks hold the same
-    experts: every dim that does not shard dim 0 (Replicate, or tensor parallelism's Shard(1) / (2)).
-    A 1-D expert-parallel mesh (Shard(0)) gives none: each rank's experts are its own."""
+def expert_shard_groups(weight, pipeline_dims: Sequence[str] = ()) -> tuple[AmaxGroup, ...]:
+    """For a 3-D expert weight [E, ...] sharded as a DTensor, the group of the ranks that hold the same
+    experts: every dim of its mesh's root mesh except the ones its expert-parallel dims (Shard(0))
+    span and the pipeline dims. That takes in the weight's own replicated and tensor-parallel dims
+    (Shard(1) / (2)) and the root's data-parallel dims the weight does not live on (the dp_mod_ep
+    dim of torchtitan's dp2ep layout, whose ranks run FSDP2 over the same experts). A 1-D
+    expert-parallel mesh gives none: each rank's experts are its own."""
     from torch.distributed.tensor import Shard
 
-    groups = [mesh_dim_group(weight.device_mesh, d) for d, p in enumerate(weight.placements)
-              if not (isinstance(p, Shard) and p.dim == 0)]
-    return minimal_groups(groups)
+    mesh = weight.device_mesh
+    root = mesh._get_root_mesh()
+    spanned: set[int] = set()
+    for d, p in enumerate(weight.placements):
+        if isinstance(p, Shard) and p.dim == 0 and (group := mesh_dim_group(mesh, d)) is not None:
+            coords = [tuple(int(c) for c in (root.mesh == r).nonzero()[0]) for r in group.ranks]
+            spanned |= {i for i in range(root.ndim) if len({c[i] for c in coords}) > 1}
+    names = root.mesh_dim_names or ()
+    return mesh_dims_group(root, [d for d in range(root.ndim)
+                                  if d not in spanned and not (names and names[d] in pipeline_dims)])
 
 
 def describe_placements(t) -> str:

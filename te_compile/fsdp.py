@@ -38,7 +38,9 @@ MoE expert weights (3-D parameters [E, ...] of modules under a per-tensor recipe
 expert. FSDP2 shards dim 0, the experts, so each rank holds whole experts: the scale book all-reduces
 an [E] vector per weight (each rank's experts at their places, 0 elsewhere), the shard's experts are
 cast with their own scales, and ``fsdp_post_all_gather`` builds a ``GroupedFloat8Tensor`` whose bytes
-and [E] scales the grouped GEMM lowering uses as they are.
+and [E] scales the grouped GEMM lowering uses as they are. Under expert parallelism (torchtitan's
+dp2ep: a DTensor Shard(0) on an ep mesh, then FSDP2 on dp_mod_ep) E is the rank's experts, the ones
+FSDP gathers, and the vector is all-reduced over FSDP's dims only: the ep ranks hold other experts.
 
 Delayed scaling: the shard is cast with the scale the compiled graph keeps for the weight. The slot
 holds that state (te_compile.state, made for the original parameter) and the gathered Float8Tensor
@@ -86,7 +88,8 @@ class _Slot:
     def __init__(self, module: nn.Module, name: str, fqn: str, recipe) -> None:
         self.module, self.name, self.fqn, self.recipe = module, name, fqn, recipe
         weight = getattr(module, name, None)
-        self.experts = weight.shape[0] if weight is not None and weight.dim() == 3 else 0
+        # the experts FSDP gathers: this rank's under expert parallelism (a DTensor split on dim 0)
+        self.experts = local_value(weight).shape[0] if weight is not None and weight.dim() == 3 else 0
         self.amax: Optional[torch.Tensor] = None
         self.version: Optional[int] = None
         self.groups: Optional[tuple] = None   # reduce_groups, once known
@@ -96,20 +99,18 @@ class _Slot:
         self.quantizer: Union[Float8Quantizer, GroupedFloat8Quantizer, None] = (
             weight_quantizer(recipe, weight, fqn) if recipe.delayed() else None)
 
-    def local_amax(self, param) -> torch.Tensor:
+    def local_amax(self, param, mesh) -> torch.Tensor:
         """The amax of this rank's shard of ``param`` (a DTensor over a wrapper): [1], or for an
-        expert weight [E] with each of the shard's experts at its place and 0 elsewhere (FSDP2 cuts
-        dim 0, the experts, so every shard holds whole experts)."""
+        expert weight [E] (the experts FSDP gathers on ``mesh``) with each of the shard's experts at
+        its place and 0 elsewhere (FSDP2 cuts dim 0, the experts, so every shard holds whole experts)."""
         shard = param._local_tensor._tensor
         if not self.experts:
             return tensor_amax(shard)
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        offset = _gathered_offset(param, mesh)
         out = torch.zeros(self.experts, dtype=torch.float32, device=shard.device)
         if shard.shape[0]:
             amax = shard.detach().abs().reshape(shard.shape[0], -1).amax(dim=1).to(torch.float32)
-            out[offset[0]:offset[0] + shard.shape[0]] = amax
+            out[offset:offset + shard.shape[0]] = amax
         return out
 
     def sharded(self, mesh) -> Optional[torch.Tensor]:
@@ -125,20 +126,42 @@ class _Slot:
             return param
         return None
 
-    def reduce_groups(self, param) -> tuple:
+    def reduce_groups(self, param, mesh) -> tuple:
         """The groups the shard amaxes are all-reduced over so that they become the whole weight's:
         every mesh dim the sharded parameter is split on (FSDP's dp_shard, a TP dim), as one flattened
-        group; HSDP's replicate dim holds copies and is left out. Made once: a flattened group is a
-        new process group, which every rank creates in the same order (all ranks refresh together)."""
+        group; HSDP's replicate dim holds copies and is left out, and so is an expert-parallel dim
+        (Shard(0) outside FSDP's ``mesh``), whose other ranks hold other experts. Made once: a
+        flattened group is a new process group, which every rank creates in the same order (all
+        ranks refresh together)."""
         if self.groups is None:
+            fsdp = set(mesh.mesh_dim_names or ())
+            names = param.device_mesh.mesh_dim_names or ()
             # not is_shard(): FSDP's _StridedShard over a TP-sharded dim is no Shard in torch 2.13
-            dims = [d for d, p in enumerate(param.placements) if not (p.is_replicate() or p.is_partial())]
+            dims = [d for d, p in enumerate(param.placements) if not (p.is_replicate() or p.is_partial())
+                    and not (self.experts and names and names[d] not in fsdp and p.is_shard(0))]
             self.groups = mesh_dims_group(param.device_mesh, dims)
         return self.groups
 
 
 def _mesh_ranks(mesh) -> set:
     return set(mesh.mesh.flatten().tolist())
+
+
+def _gathered_offset(param, mesh) -> int:
+    """Where this rank's shard of ``param`` (a DTensor) starts along dim 0 of the tensor FSDP gathers
+    on ``mesh``: its global offset less that of the gathered tensor, which is the parameter with
+    FSDP's dims replicated (the whole expert dim, or this rank's experts under expert parallelism)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    dev_mesh = param.device_mesh
+    _, offset = compute_local_shape_and_global_offset(param.shape, dev_mesh, param.placements)
+    fsdp, names = set(mesh.mesh_dim_names or ()), dev_mesh.mesh_dim_names or ()
+    if not names or not fsdp:
+        return offset[0]
+    gathered = [Replicate() if name in fsdp else p for name, p in zip(names, param.placements)]
+    _, base = compute_local_shape_and_global_offset(param.shape, dev_mesh, gathered)
+    return offset[0] - base[0]
 
 
 class _ScaleBook:
@@ -176,8 +199,8 @@ class _ScaleBook:
         FSDP + TP adds one for weights TP leaves whole, which are split on dp_shard alone)."""
         members = [(slot, param) for slot in self.slots
                    if slot.block_quantizer is None and (param := slot.sharded(mesh)) is not None]
-        amaxes = reduce_amaxes([slot.local_amax(param) for slot, param in members],
-                               [slot.reduce_groups(param) for slot, param in members])
+        amaxes = reduce_amaxes([slot.local_amax(param, mesh) for slot, param in members],
+                               [slot.reduce_groups(param, mesh) for slot, param in members])
         self.refreshes += 1
         for (slot, param), amax in zip(members, amaxes):
             slot.amax, slot.version = amax, param._version
@@ -249,7 +272,9 @@ class Fp8AllGatherWeight(torch.Tensor):
         slot = self._book.slots[self._slot]
         if tuple(self.shape[1:]) != tuple(orig_size[1:]):
             raise RuntimeError(f"{slot.fqn}: FP8 all-gather needs the weight sharded on dim 0 (rows, or the "
-                               f"experts); shard {list(self.shape)} of {list(orig_size)}")
+                               f"experts); shard {list(self.shape)} of {list(orig_size)} (a shard_placement_fn "
+                               f"other than Shard(0)? keep such weights out of enable_fp8_all_gather with an "
+                               f"override to recipe 'none' for their module)")
         dtype = mp_policy.param_dtype or self.dtype
         if slot.block_quantizer is not None:
             return self._block_pre_all_gather(slot, mesh, orig_size, dtype)
@@ -272,14 +297,11 @@ class Fp8AllGatherWeight(torch.Tensor):
         """A 3-D expert weight: each expert of the shard cast with that expert's scale (from the
         whole expert's amax, or delayed scaling's [E] state), the bytes padded to FSDP's shard size;
         every expert's scale_inv [E] (the same on every rank) and amax [E] travel as metadata."""
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         amax = self._book.amax(self._slot, self, mesh).to(dtype).float()   # [E]: as the 2-D case says
-        param = slot.sharded(mesh)
-        _, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        offset = _gathered_offset(slot.sharded(mesh), mesh)
         fp8_dtype = slot.recipe.fp8_format.dtype_for("weight")
         scale = current_scale(amax, "weight", slot.recipe) if slot.quantizer is None else slot.quantizer.scale
-        local = scale[offset[0]:offset[0] + self.shape[0]]
+        local = scale[offset:offset + self.shape[0]]
         data = cast_to_fp8(self._tensor.to(dtype), local.view(-1, 1, 1), fp8_dtype).view(torch.uint8)
         meta = GroupedFsdpMeta(torch.div(torch.ones_like(scale), scale), fp8_dtype,
                                None if slot.quantizer is None else amax, slot.quantizer)
@@ -372,9 +394,6 @@ def _expert_problem(param: torch.Tensor, recipe, config: TeConfig) -> Optional[s
                 f"DelayedScaling (one scale per expert)")
     if isinstance(local_value(param), Fp8AllGatherWeight):
         return "already wrapped"
-    if is_dtensor(param) and any(p.is_shard(0) for p in param.placements):
-        return (f"expert weight {list(param.shape)} is a DTensor split by expert ({param.placements}): "
-                f"FP8 all-gather over expert parallelism is not supported yet")
     if param.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return f"weight dtype {param.dtype} is not one of fp32, bf16, fp16"
     if any(d % recipe.gemm_alignment for d in param.shape[1:]):

@@ -148,12 +148,14 @@ EP_DELAYED = {**DELAYED, "distributed": {"expert_amax_group": "none"}}
 EP_HEAD = 8
 
 
-def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
-    """Rows ``send[r]`` to rank r, ``recv[r]`` from it, with autograd (the backward sends back)."""
+def _all_to_all(x: torch.Tensor, send: list[int], recv: list[int], group=None) -> torch.Tensor:
+    """Rows ``send[r]`` to rank r of ``group`` (the world), ``recv[r]`` from it, with autograd (the
+    backward sends back)."""
     from torch.distributed.nn.functional import all_to_all_single
 
     out = x.new_empty(sum(recv), *x.shape[1:])
-    return all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send)
+    return all_to_all_single(out, x, output_split_sizes=recv, input_split_sizes=send,
+                             group=group or dist.group.WORLD)
 
 
 class ExpertParallelNet(nn.Module):
@@ -272,8 +274,8 @@ class TitanExperts(nn.Module):
 
 class TokenExchange:
     """torchtitan's ExpertParallel style, in short: ``distribute_module`` shards every expert weight
-    Shard(0) on the mesh, sends each token to its expert's rank before forward (input_fn) and back
-    after it (output_fn)."""
+    Shard(0) on the (1-D) mesh, sends each token to its expert's rank in the mesh before forward
+    (input_fn) and back after it (output_fn)."""
 
     def apply(self, module: nn.Module, mesh) -> nn.Module:
         from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
@@ -286,19 +288,20 @@ class TokenExchange:
 
     def _dispatch(self, mod, inputs, mesh):
         x, counts = inputs   # sorted by global expert, counts [E]
-        local = counts.shape[0] // WORLD
+        group, ranks = mesh.get_group(), mesh.size()
+        local = counts.shape[0] // ranks
         received = torch.empty_like(counts)
-        dist.all_to_all_single(received, counts)
-        by_source = received.view(WORLD, local)
-        self.send, self.recv = counts.view(WORLD, local).sum(1).tolist(), by_source.sum(1).tolist()
-        tokens = _all_to_all(x, self.send, self.recv)
+        dist.all_to_all_single(received, counts, group=group)
+        by_source = received.view(ranks, local)
+        self.send, self.recv = counts.view(ranks, local).sum(1).tolist(), by_source.sum(1).tolist()
+        tokens = _all_to_all(x, self.send, self.recv, group)
         # arrived grouped by source rank: regroup by local expert (each expert's rows by source)
-        expert_of_row = torch.arange(local).repeat(WORLD).repeat_interleave(by_source.reshape(-1))
+        expert_of_row = torch.arange(local).repeat(ranks).repeat_interleave(by_source.reshape(-1))
         self.regroup = torch.argsort(expert_of_row, stable=True)
         return tokens[self.regroup], by_source.sum(0).to(torch.int32)
 
     def _combine(self, mod, y, mesh):
-        return _all_to_all(y[torch.argsort(self.regroup)], self.recv, self.send)
+        return _all_to_all(y[torch.argsort(self.regroup)], self.recv, self.send, mesh.get_group())
 
 
 class TitanEPNet(nn.Module):
@@ -310,7 +313,7 @@ class TitanEPNet(nn.Module):
         self.moe = TokenExchange().apply(TitanExperts(reference.moe, loop), mesh)
 
     def forward(self, x):
-        chosen, weight, counts = _route(self.router, x, EP_EXPERTS)
+        chosen, weight, counts = _route(self.router, x, self.router.out_features)
         order = torch.argsort(chosen, stable=True)
         out = torch.zeros_like(x).index_add(0, order, self.moe(x[order], counts) * weight[order, None])
         return self.head(x + out).square().mean()

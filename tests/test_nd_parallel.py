@@ -348,6 +348,55 @@ def _spmd(recipe: str, init: dict) -> dict:
     return dict(losses=losses, outcome=outcome, sites=sites)
 
 
+def _dp2ep(recipe: str, fp8: bool) -> dict:
+    """torchtitan's dp2ep layout on a (dp_mod_ep, ep) = (2, 2) mesh: 4 experts split over ep by
+    ``ExpertParallel`` (DTensor weights Shard(0), tokens exchanged within the ep group), then FSDP2 over
+    each rank's 2 experts on dp_mod_ep (one expert per rank), gathered in bf16 as torchtitan does. The
+    router and head are replicated, their gradients summed by hand."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from test_moe_distributed import MoENet, TitanEPNet, _batch
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    options = {"recipe": recipe, "compiler": "aot_eager", **({"amax_history_len": 4} if recipe == "DelayedScaling" else {})}
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
+    torch.manual_seed(0)
+    model = TitanEPNet(MoENet(4, 8), mesh["ep"])
+    outcome = te_compile.enable_fp8_all_gather(model, **options) if fp8 else None
+    fully_shard(model.moe, mesh=mesh["dp_mod_ep"],
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    # dynamic: the token counts per expert change every step (one graph, not a recompile on step 2)
+    model.moe.forward = torch.compile(model.moe.forward, backend="te", options=options, dynamic=True)
+    gathered, real = [], dist.all_gather_single
+
+    def counting(output, input, *args, **kwargs):
+        gathered.append((input.numel() * input.element_size(), str(input.dtype)))
+        return real(output, input, *args, **kwargs)
+
+    dist.all_gather_single = counting
+    try:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
+        losses = []
+        for step in range(STEPS):
+            loss = model(_batch(dist.get_rank(), step)) / WORLD
+            loss.backward()
+            for p in replicated:
+                dist.all_reduce(p.grad)
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item())
+    finally:
+        dist.all_gather_single = real
+    sites = [(s.rewritten, s.collectives) for s in te_compile.report().sites if s.op == "grouped_linear"]
+    return dict(losses=losses, outcome=outcome, sites=sites, gathered=gathered,
+                state={k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()})
+
+
 def _errors(rank: int) -> dict:
     """Config errors at compile on a 3-D (pp, dp, tp) mesh, what "auto" resolves to there, and a TP
     plan that cuts MXFP8's blocks."""
@@ -394,6 +443,8 @@ def _worker(rank: int, checkpoint: str) -> dict:
         out[("pp", recipe, schedule)] = _pipeline(recipe, schedule, init)
     out[("hsdp_tp", "DelayedScaling")] = _train("hsdp_tp", "DelayedScaling", init)
     out["spmd"] = _spmd("Float8CurrentScaling", init)
+    for recipe in ("Float8CurrentScaling", "DelayedScaling"):
+        out[("dp2ep", recipe)] = [_dp2ep(recipe, fp8) for fp8 in (True, False)]
     return out
 
 
@@ -589,3 +640,34 @@ def test_fully_shard_with_dp_mesh_dims_is_one_process_on_the_global_batch(nd):
         assert r["sites"]["layers.0.w2"] == ("amax all-reduce over dp_shard (2 ranks): input, grad_output; "
                                              "amax all-reduce over tp (2 ranks): input")
         assert r["sites"]["output.proj"] == "amax all-reduce over dp_shard (2 ranks): input, grad_output"
+
+
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_dp2ep_experts_gather_in_fp8_as_the_high_precision_gather_computes(nd, recipe):
+    """FSDP2 over expert-parallel DTensor experts: each rank's FSDP shard is cast with its experts'
+    scales (whole-expert amaxes reduced over dp_mod_ep, never across ep, whose ranks hold other
+    experts), so the FP8 all-gather gives the bytes the grouped GEMMs make from the bf16 gather:
+    the same losses (and delayed scaling's state) bit for bit, at half the bytes on the wire."""
+    for rank in nd:
+        fp8, high = rank[("dp2ep", recipe)]
+        assert fp8["losses"] == high["losses"], (fp8["losses"], high["losses"])
+        assert {k: v for k, v in fp8["outcome"].items() if k.startswith("moe.")} == {
+            f"moe.{w}": "FP8 all-gather (one scale per expert)" for w in ("w1", "w2", "w3")}
+        assert [rewritten for rewritten, _ in fp8["sites"]] == [True] * 3, fp8["sites"]
+        # per step one gather of this rank's expert (w1, w2, w3 in one buffer) in forward, one in backward
+        assert {g for g in fp8["gathered"]} == {(3 * 48 * 32, "torch.uint8")}, fp8["gathered"]
+        assert {g for g in high["gathered"]} == {(2 * 3 * 48 * 32, "torch.bfloat16")}, high["gathered"]
+        for key, value in high["state"].items():
+            assert torch.equal(fp8["state"][key], value), key
+
+
+def test_dp2ep_delayed_state_is_shared_by_the_ranks_holding_the_same_experts(nd):
+    """Ranks 0 and 2 (dp_mod_ep 0 and 1, ep 0) hold experts 0-1, ranks 1 and 3 experts 2-3: with no
+    setting, each expert's histories are all-reduced over dp_mod_ep (the root mesh's dim the weight
+    does not live on), so replicas agree, and never over ep."""
+    states = [rank[("dp2ep", "DelayedScaling")][0]["state"] for rank in nd]
+    for a, b in ((0, 2), (1, 3)):
+        assert all(torch.equal(states[a][k], states[b][k]) for k in states[a]), (a, b)
+    assert not torch.equal(states[0]["moe.w1.input.amax_history"], states[1]["moe.w1.input.amax_history"])
+    sites = nd[0][("dp2ep", "DelayedScaling")][0]["sites"]
+    assert {c for _, c in sites} == {"amax history all-reduce over dp_mod_ep (2 ranks), one per graph and step"}

@@ -48,7 +48,7 @@ class PassContext:
         unless ``[distributed] expert_amax_group`` names a group; a plain one takes that setting."""
         setting = self.config.distributed.expert_amax_group
         if param is not None and is_dtensor(param.value) and isinstance(setting, str) and setting == "same":
-            return expert_shard_groups(param.value)
+            return expert_shard_groups(param.value, self.config.distributed.pipeline_dims)
         return (self.expert_amax_group,) if self.expert_amax_group is not None else ()
 
     @staticmethod
