@@ -19,6 +19,8 @@
 #                                         # GEMM, torchao with padded groups), then where the block step's time goes
 #   bash benchmarks/gpu_run.sh lease-5    # the next lease: the block step again (norm backward now inductor's),
 #                                         # MoE with torchao's row, and where the MoE layer's time goes
+#   bash benchmarks/gpu_run.sh lease-6    # the output layer and its loss (Llama 3's 128k vocab), then the
+#                                         # fused op's tests under the image's torch
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -29,8 +31,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 part="${1:-}"
 case "$part" in
-    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|moe) ;;
-    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|moe" >&2; exit 2 ;;
+    tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|lease-6|moe) ;;
+    *) echo "usage: bash benchmarks/gpu_run.sh tests|suite-a|suite-b|suite-c|suite-d|profile|all-tests|lease|lease-2|lease-3|lease-4|lease-5|lease-6|moe" >&2; exit 2 ;;
 esac
 OUT="${OUT:-$PWD/gpu_out}"
 mkdir -p "$OUT"
@@ -112,6 +114,14 @@ case "$part" in
                 "$PY" benchmarks/profile_step.py --model moe-mixtral --top 25 --recipe $run
             tail -8 "$OUT/profile-moe-$name.txt"
         done
+        ;;
+    lease-6)
+        # fused vs unfused at 8192 x 4096 x 128256: saved bytes, peak memory, step time (goals: peak <= 1/4,
+        # step <= 1.05x unfused)
+        timed 200 "linear-ce" linear-ce.txt "$PY" benchmarks/bench_linear_ce.py --device cuda --iters 20
+        tail -14 "$OUT/linear-ce.txt"
+        timed 150 "linear-ce tests" linear-ce-tests.txt "$PY" -m pytest -q -x -n 4 tests/test_linear_cross_entropy.py
+        tail -4 "$OUT/linear-ce-tests.txt"
         ;;
     lease-4)
         carry_torchao
