@@ -98,9 +98,17 @@ class RewriteConfig:
     linear_cross_entropy_chunk: int = 0   # rows per chunk; 0: chosen from the shapes
 
     def __post_init__(self):
-        if self.linear_cross_entropy_chunk < 0:
-            raise ValueError(f"linear_cross_entropy_chunk must be >= 0 (0: chosen from the shapes), "
-                             f"got {self.linear_cross_entropy_chunk}")
+        for f in fields(self):
+            problem = self.value_problem(f.name, getattr(self, f.name))
+            if problem:
+                raise ValueError(f"{f.name}: {problem}")
+
+    @staticmethod
+    def value_problem(key: str, value: Any) -> Optional[str]:
+        """Why ``value`` is not valid for ``key`` (beyond its type), or None."""
+        if key == "linear_cross_entropy_chunk" and value < 0:
+            return f"must be >= 0 (0: chosen from the shapes), got {value}"
+        return None
 
 
 @dataclass(frozen=True)
@@ -375,11 +383,10 @@ def _build_rewrite(value: Any, source: str) -> RewriteConfig:
     _check_keys(table, allowed, "rewrite.", source)
     hints = typing.get_type_hints(RewriteConfig)
     values = {k: _convert(v, hints[k], f"rewrite.{k}", source) for k, v in table.items()}
-    try:
-        return RewriteConfig(**values)
-    except ValueError as e:   # "<key> must be ...": the only checked key so far
-        key = str(e).split(" ", 1)[0]
-        raise _error(source, f"rewrite.{key}", str(e).split(" ", 1)[1]) from None
+    for key, v in values.items():
+        if problem := RewriteConfig.value_problem(key, v):
+            raise _error(source, f"rewrite.{key}", problem)
+    return RewriteConfig(**values)
 
 
 def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], source: str) -> Override:

@@ -360,7 +360,8 @@ def _dp2ep(recipe: str, fp8: bool) -> dict:
 
     torch._dynamo.reset()
     te_compile.reset()
-    options = {"recipe": recipe, "compiler": "aot_eager", **({"amax_history_len": 4} if recipe == "DelayedScaling" else {})}
+    options = {"recipe": recipe, "compiler": "aot_eager",
+               **({"amax_history_len": 4} if recipe == "DelayedScaling" else {})}
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp_mod_ep", "ep"))
     torch.manual_seed(0)
     model = TitanEPNet(MoENet(4, 8), mesh["ep"])

@@ -54,7 +54,7 @@ from .linear import autocast_dtype
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",
-           "recompute_logits"]
+           "recompute_logits", "size_hint"]
 
 # a chunk's logits are kept about as large as the layer's input (Liger-Kernel's rule): rows = M * K / V,
 # rounded up to a power of two, never fewer than 16, and never so few that a chunk holds under 2**22
@@ -94,7 +94,7 @@ def chunk_rows(m: int, k: int, v: int, chunk: int = 0) -> int:
     return max(1, min(m, max(_MIN_CHUNK, -(-_MIN_CHUNK_LOGITS // v), rows)))
 
 
-def _hint(n) -> int:
+def size_hint(n) -> int:
     """A concrete row count for a possibly symbolic one (the chunk count is fixed at trace time)."""
     if isinstance(n, torch.SymInt):
         return n.node.hint if n.node.hint is not None else 8192
@@ -188,8 +188,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     ``shard``: this rank's vocab slice when the weight is sharded by vocab (vocab_parallel.py; w_nk and
     bias are then the local rows), else None. DelayedScaling passes its carrier and the three roles'
     scales as the linears do (the backward returns [input, weight, grad_output] amaxes as the
-    carrier's gradient); otherwise None for all four. Returns (loss, logits [M, V] or None): the logits only when ``spec.logits_steps`` >= 0, as a
-    non-differentiable output (nothing reads them for the loss's gradient).
+    carrier's gradient); otherwise None for all four. Returns (loss, logits [M, V] or None): the
+    logits only when ``spec.logits_steps`` >= 0, as a non-differentiable output (nothing reads them
+    for the loss's gradient).
     """
 
     @staticmethod
@@ -407,8 +408,8 @@ class LinearCrossEntropyLowering:
             x, w_nk, bias, labels = plan.local_operands(x, w_nk, bias, labels)
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
-        rows = chunk_rows(_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
-        chunks = max(1, -(-_hint(m) // rows))
+        rows = chunk_rows(size_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
+        chunks = max(1, -(-size_hint(m) // rows))
         loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), norm_w, norm_b,
                                                         self.spec, chunks, plan.shard if plan else None,
                                                         *(delayed or (None,) * 4))

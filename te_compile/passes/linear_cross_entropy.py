@@ -19,6 +19,7 @@ Runs right after the linear passes: the final norm's fusion would otherwise take
 from __future__ import annotations
 
 import inspect
+import math
 import operator
 from dataclasses import dataclass, field
 from typing import Optional
@@ -29,7 +30,8 @@ import torch.nn.functional as F
 
 from ..distributed import is_dtensor
 from ..lowerings.linear import LinearLowering
-from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering, LinearCrossEntropySpec, chunk_rows
+from ..lowerings.linear_cross_entropy import (LinearCrossEntropyLowering, LinearCrossEntropySpec, chunk_rows,
+                                              size_hint)
 from ..lowerings.vocab_parallel import plan_vocab_parallel
 from .context import PassContext
 from .graphs import GraphScope, module_fqn
@@ -258,9 +260,7 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
             layer_fqn, recipe, tuple(path.steps), args["ignore_index"], args["reduction"],
             float(args["label_smoothing"]), ctx.config.rewrite.linear_cross_entropy_chunk,
             path.exposed_steps if path.exposed is not None else -1, weight_in_out)
-        rows = 1
-        for d in shape_of(args["input"])[:-1]:
-            rows *= int(d) if not isinstance(d, torch.SymInt) else (d.node.hint or 1)
+        rows = size_hint(math.prod(shape_of(args["input"])[:-1]))   # the lowering's own row count
         local = plan.shard.local if plan is not None else vocab
         chunk = chunk_rows(rows, value_of(x).shape[-1], local, spec.chunk)
         what = f"{recipe.name} FP8 GEMMs" if recipe is not None else "high-precision GEMMs"

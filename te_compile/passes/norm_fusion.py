@@ -79,13 +79,14 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
         losses = [n for n in readers.others if isinstance(n.target, LinearCrossEntropyLowering)]
         if not readers.linears and len(losses) == 1 and len(readers.others) == 1:
             loss = losses[0]
-            why = _loss_unfusable(site, loss, order)
+            casts = _loss_casts(site, loss)
+            why = _loss_unfusable(site, loss, casts, order)
             recipe = loss.target.spec.recipe
             if why is not None:
                 _record(ctx, scope, site, False, f"read by the fused output layer and loss of {loss.target.spec.fqn}: "
                                                  f"{why}", recipe.name if recipe is not None else None)
                 continue
-            _fuse_into_loss(scope, site, loss)
+            _fuse_into_loss(scope, site, loss, casts)
             _record(ctx, scope, site, True, f"fused into {loss.target.spec.fqn}'s output layer and loss", recipe.name)
             count += 1
             continue
@@ -139,14 +140,16 @@ def _loss_casts(site: NormSite, loss: fx.Node) -> Optional[tuple]:
         node = users[0]
 
 
-def _loss_unfusable(site: NormSite, loss: fx.Node, order: dict[fx.Node, int]) -> Optional[str]:
-    """Why the norm cannot go into the fused output layer and loss ``loss`` reads it as, or None."""
+def _loss_unfusable(site: NormSite, loss: fx.Node, casts: Optional[tuple], order: dict[fx.Node, int]
+                    ) -> Optional[str]:
+    """Why the norm cannot go into the fused output layer and loss ``loss`` reads it as, or None;
+    ``casts``: ``_loss_casts`` of the two."""
     spec = loss.target.spec
     if spec.recipe is None:
         return "it runs in high precision (norms fuse into FP8 GEMMs)"
     if spec.norm is not None:
         return "a norm is fused there already"
-    if _loss_casts(site, loss) is None:
+    if casts is None:
         return "its output reaches the op through a row slice or other ops (not fused)"
     for what, node in (("input", site.x), ("output", site.node)):
         names = written_between(node, node, loss, order)
@@ -155,10 +158,10 @@ def _loss_unfusable(site: NormSite, loss: fx.Node, order: dict[fx.Node, int]) ->
     return None
 
 
-def _fuse_into_loss(scope: GraphScope, site: NormSite, loss: fx.Node) -> None:
-    """The loss op takes the norm's input and parameters instead of its output."""
+def _fuse_into_loss(scope: GraphScope, site: NormSite, loss: fx.Node, casts: tuple) -> None:
+    """The loss op takes the norm's input and parameters instead of its output (``casts`` on the way)."""
     spec = loss.target.spec
-    norm = replace(site.spec, casts=site.spec.casts + _loss_casts(site, loss))
+    norm = replace(site.spec, casts=site.spec.casts + casts)
     lowering = LinearCrossEntropyLowering(replace(spec, norm=norm))
     x, w, b, labels, _, _, *extra = loss.args
     chain, node = [], x
