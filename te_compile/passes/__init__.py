@@ -83,7 +83,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
-    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group)
+    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group,
+                      inference=not torch.is_grad_enabled())
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

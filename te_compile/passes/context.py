@@ -27,6 +27,9 @@ class PassContext:
     delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
     amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
     expert_amax_group: Optional[AmaxGroup] = None   # config.distributed.expert_amax_group, resolved
+    # compiled with grad disabled: the linears read cached FP8 weights (inference_weights.py)
+    inference: bool = False
+    cached_weights: dict = field(default_factory=dict)   # (weight input index, recipe) -> placeholder
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:

@@ -197,6 +197,12 @@ class DelayedState:
 
     # ---- graph edits (all in the top-level graph) ----
 
+    def extra_input(self, source, prefix: str) -> list[fx.Node]:
+        """Top-level placeholders for the tensors ``source.tensors(args)`` gives at every call (an input
+        of another kind than the state's, e.g. passes/inference_weights.py's cached FP8 weights)."""
+        self.inputs.append(source)
+        return self._placeholders(prefix, source.tensors(self.example_inputs))
+
     def _placeholders(self, prefix: str, tensors: list[torch.Tensor], static: bool = True) -> list[fx.Node]:
         """Placeholders after the existing inputs, with static-shape example values (``static``: also
         marked as living at one address, which the amax sinks, new at every call, do not)."""

@@ -4,6 +4,7 @@ saying why not."""
 from __future__ import annotations
 
 import operator
+from typing import Optional
 
 import torch.fx as fx
 
@@ -17,6 +18,7 @@ from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
 from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope, insert_call
+from .inference_weights import cached_weight
 from .sites import LinearSite, find_linear_sites
 from .context import PassContext
 
@@ -85,9 +87,11 @@ def _expert_inputs(site: LinearSite, extra: list) -> list:
     return [carrier, *(insert_call(site.node, operator.getitem, (scale, slice(e, e + 1))) for scale in scales)]
 
 
-def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra: list) -> None:
+def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra: list,
+             cached: Optional[fx.Node] = None) -> None:
+    """``cached``: the inference graph's FP8 copy of the weight, read instead of the weight."""
     with graph.inserting_before(site.node):
-        new = graph.call_function(lowering, (site.x, site.weight, site.bias, *extra))
+        new = graph.call_function(lowering, (site.x, site.weight if cached is None else cached, site.bias, *extra))
     new.meta.update(site.node.meta)
     site.node.replace_all_uses_with(new)
     graph.erase_node(site.node)
@@ -132,14 +136,19 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
             why += ("; weight already quantized, used as is" if weight_is_operand(weight_value, recipe)
                     else f"; weight is a {type(weight_value).__name__} of another format: dequantized first")
         native, gemm_why = _gemm_path(site, recipe, config)
-        spec = LinearSpec(site.fqn, recipe, site.weight_in_out, native, site.weight_first, plain_groups)
-        planned.append((site, LinearLowering(spec), extra))
+        cached = None if plain_groups != NO_GROUPS else cached_weight(ctx, scope, site, recipe)
+        if cached is not None:
+            why += "; weight quantized once, cached across calls until it changes (inference graph)"
+        # the cached copy is [N, K] whatever the parameter's layout
+        in_out = site.weight_in_out and cached is None
+        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups)
+        planned.append((site, LinearLowering(spec), extra, cached))
         device = getattr(site.weight.meta.get("example_value"), "device", None)
         what = site.op_name if site.expert is None else \
             f"{site.op_name} on expert {site.expert} of {site.param.name} (a per-expert loop; that expert's scales)"
         record(True, f"{what} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name, collectives)
     # Consumers first: rewriting a site erases its node, which a later site's x may still name
     # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
-    for site, lowering, extra in reversed(planned):
-        _replace(scope.graph, site, lowering, extra)
+    for site, lowering, extra, cached in reversed(planned):
+        _replace(scope.graph, site, lowering, extra, cached)
     return len(planned)
