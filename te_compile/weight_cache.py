@@ -38,7 +38,7 @@ class _Entry:
     tensor: Float8Tensor
 
 
-# weight (by identity, held weakly) -> {(recipe, transposed): entry}
+# weight (by identity, held weakly) -> {(recipe, transposed, cast dtype): entry}
 _CACHE = WeakIdKeyDictionary()
 
 
@@ -48,20 +48,22 @@ def _version_key(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> tuple:
 
 
 def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached_fp8_weight",
-                      transposed: bool = False) -> Float8Tensor:
+                      transposed: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
     """The FP8 weight operand [N, K] of ``weight`` (stored [N, K]; [K, N] with ``transposed``, as
-    GPT-2's Conv1D stores it) under the per-tensor ``recipe``: the cached copy when the weight (and
-    its delayed scale) has not changed since it was made, else a new one."""
+    GPT-2's Conv1D stores it) under the per-tensor ``recipe``, quantized from the weight cast to
+    ``dtype`` when given (autocast's: the linear would cast it first): the cached copy when the weight
+    (and its delayed scale) has not changed since it was made, else a new one."""
     if not recipe.per_tensor:
         raise ValueError(f"{where}: the inference weight cache takes per-tensor recipes, got {recipe.name}")
     scale = state_for(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
     key = _version_key(weight, scale)
     entries = _CACHE.setdefault(weight, {})
-    entry = entries.get((recipe, transposed))
+    entry = entries.get((recipe, transposed, dtype))
     if entry is not None and entry.key == key:
         return entry.tensor
     with torch.no_grad():
-        w_nk = weight.detach().t().contiguous() if transposed else weight.detach()
+        w_nk = weight.detach() if dtype is None else weight.detach().to(dtype)
+        w_nk = w_nk.t().contiguous() if transposed else w_nk
         data, scale_inv, _ = quantize_per_tensor(w_nk, "weight", recipe, scale)
         data = data.view(torch.uint8)
         if entry is not None and entry.tensor._data.shape == data.shape and entry.tensor._data.device == data.device:
@@ -72,8 +74,8 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
             entry.key = key
             return entry.tensor
     tensor = Float8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=recipe.fp8_format.dtype_for("weight"),
-                          dtype=weight.dtype)
-    entries[(recipe, transposed)] = _Entry(key, tensor)
+                          dtype=dtype or weight.dtype)
+    entries[(recipe, transposed, dtype)] = _Entry(key, tensor)
     return tensor
 
 

@@ -78,6 +78,40 @@ def test_inference_graph_quantizes_each_weight_once_and_computes_the_training_gr
         "fused into up", "fused into down"}
 
 
+class AutocastInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(32, 64), nn.Linear(64, 32)
+
+    def forward(self, x):
+        with torch.autocast("cpu", torch.bfloat16):
+            h = self.up(x)
+        return self.down(h.float())
+
+
+def test_under_autocast_the_copy_is_quantized_from_the_cast_weight(quantizations):
+    """Autocast entered before the call: the copy is made from the weight in autocast's dtype, as the
+    linear casts it, so the bits are the training graph's. Entered inside the graph: its sites quantize
+    at every call, as in training (the pass does not work out the dtype at each site)."""
+    torch.manual_seed(0)
+    x = torch.randn(4, 32)
+    compiled = _compiled(NormMLP(), "Float8CurrentScaling")
+    with torch.autocast("cpu", torch.bfloat16):
+        training = compiled(x).detach()
+        with torch.no_grad():
+            y = compiled(x)
+    assert y.dtype == torch.bfloat16 and torch.equal(y, training)
+    assert len(quantizations) == 3
+    quantizations.clear()
+    compiled = _compiled(AutocastInside(), "Float8CurrentScaling")
+    training = compiled(x).detach()
+    with torch.no_grad():
+        y = compiled(x)
+    assert torch.equal(y, training)
+    assert quantizations == []
+    assert not any("cached" in r.reason for r in te_compile.report().sites)
+
+
 def test_cached_weight_is_made_again_when_the_weight_or_its_scale_changes(quantizations):
     torch.manual_seed(0)
     model = NormMLP()

@@ -18,8 +18,9 @@ Numerics, against the unfused path of the same precision:
   scales. Its logits are then the unfused ones bit for bit wherever the GEMM library computes a row
   independently of how many rows it is given (seen on CPU for equal chunks, as the tests use); MKL
   takes another kernel for some row counts (e.g. 34 rows against 7), which moves the last bit.
-- The loss is summed in fp32 chunk by chunk (the unfused path sums all rows at once): equal to fp32
-  summation order. The loss has the dtype the unfused ``cross_entropy`` would return (its input's).
+- Each chunk gives its rows' logsumexp and target logit in fp32; the row losses are summed once every
+  chunk is done, as the unfused path sums them: equal up to fp32 rounding of the per-row terms. The
+  loss has the dtype the unfused ``cross_entropy`` would return (its input's).
 - FP8 gradients: the unfused path quantizes dz with its own amax, which the chunks cannot see before
   they are done. Each chunk is quantized (E5M2 under HYBRID) with a scale known before it is computed.
   A row's largest |dz| is (1 - p(label)) * |dloss| (the other entries sum to 1 - p(label)), so the

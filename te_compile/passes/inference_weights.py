@@ -10,7 +10,9 @@ for FSDP2's FP8 all-gather, and the graph never reads the high-precision weight.
 parameter and recipe, shared by every site that reads it (a tied or reused weight).
 
 A weight stored [K, N] and read as ``x @ W`` (GPT-2's Conv1D) is cached transposed, [N, K], and its
-site's lowering then reads it as an [N, K] weight. Left out: weights on the left (``W @ x``),
+site's lowering then reads it as an [N, K] weight. Under autocast (entered before the call) the copy
+is made from the weight cast to autocast's dtype, as the linear casts it. Left out: graphs that enter an
+autocast region themselves, weights on the left (``W @ x``),
 per-expert loops, DTensor and already quantized weights, block-scaled recipes.
 """
 
@@ -39,9 +41,22 @@ class CachedWeightInput:
     recipe: Recipe
     where: str
     transposed: bool = False   # the parameter is stored [K, N] (read as x @ W): the copy is [N, K]
+    dtype: Optional[torch.dtype] = None   # autocast's dtype at compile: the weight is cast to it first
 
     def tensors(self, args: Sequence) -> list[torch.Tensor]:
-        return [cached_fp8_weight(args[self.weight_index], self.recipe, self.where, self.transposed)]
+        return [cached_fp8_weight(args[self.weight_index], self.recipe, self.where, self.transposed, self.dtype)]
+
+
+def _autocast_inside(scope: GraphScope) -> bool:
+    """Does the graph enter an autocast region itself (``_enter_autocast`` nodes, or the HOP that wraps
+    one)? Its dtype at a site is not worked out here: every site of such a graph quantizes its
+    weight at every call, as in training."""
+    while scope is not None:
+        if any(getattr(n.target, "__name__", "") == "_enter_autocast" or "autocast" in str(n.target)
+               for n in scope.graph.nodes if n.op == "call_function"):
+            return True
+        scope = scope.parent
+    return False
 
 
 def cached_weight(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe: Recipe) -> Optional[fx.Node]:
@@ -50,7 +65,7 @@ def cached_weight(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe:
     site does not qualify (module docstring)."""
     if not ctx.inference or not recipe.per_tensor or site.param is None:
         return None
-    if site.weight_first or site.expert is not None:
+    if site.weight_first or site.expert is not None or _autocast_inside(scope):
         return None
     value = site.param.value
     if type(value) not in (torch.Tensor, torch.nn.Parameter) or not value.is_floating_point() or value.dim() != 2:
@@ -58,11 +73,14 @@ def cached_weight(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe:
     ref = scope.params.get(site.weight)
     if ref is None or ref.index != site.param.index:
         return None   # the site reads a view or a copy of the parameter, not the parameter itself
-    key = (site.param.index, recipe, site.weight_in_out)
+    device = value.device.type
+    dtype = (torch.get_autocast_dtype(device) if device in ("cpu", "cuda") and torch.is_autocast_enabled(device)
+             else None)   # Dynamo guards on the autocast state: it holds at every call of this graph
+    key = (site.param.index, recipe, site.weight_in_out, dtype)
     node = ctx.cached_weights.get(key)
     if node is None:
         where = f"{site.fqn or '<root>'} (inference weight cache)"
-        [node] = ctx.delayed.extra_input(CachedWeightInput(site.param.index, recipe, where, site.weight_in_out),
-                                         f"te_fp8_weight_{len(ctx.cached_weights)}")
+        source = CachedWeightInput(site.param.index, recipe, where, site.weight_in_out, dtype)
+        [node] = ctx.delayed.extra_input(source, f"te_fp8_weight_{len(ctx.cached_weights)}")
         ctx.cached_weights[key] = node
     return scope.lift(node, node.name)
