@@ -15,7 +15,7 @@ import difflib
 import importlib
 import os
 import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -32,6 +32,7 @@ __all__ = [
     "RewriteConfig",
     "Override",
     "DistributedConfig",
+    "InferenceConfig",
     "TeConfig",
     "load_config",
     "config_from_dict",
@@ -43,7 +44,8 @@ _ENV_VAR = "TE_COMPILE_CONFIG"
 _COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
-             "amax_group", "mesh")
+             "amax_group", "mesh", "inference")
+_INFERENCE_CHOICES = {"scaling": ("static", "current"), "activation_scaling": ("tensor", "row")}
 _DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims")
 _AMAX_GROUP_NAMES = ("auto", "world", "none")
 _EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
@@ -163,6 +165,23 @@ def _is_group_object(value: Any) -> bool:
 
 
 @dataclass(frozen=True)
+class InferenceConfig:
+    """How graphs compiled with grad disabled (evaluation, ``generate()``) quantize (docs/inference.md)."""
+
+    # DelayedScaling sites: "static" quantizes with the stored scales (trained or calibrated),
+    # "current" with each tensor's own amax, as Float8CurrentScaling in the same formats
+    scaling: str = "static"
+    # the FP8 linears' inputs: "tensor", one scale per tensor; "row", one per token (torch._scaled_mm's
+    # rowwise form), with norms, activations and the output layer's loss left unfused before them
+    activation_scaling: str = "tensor"
+
+    def __post_init__(self):
+        for key, allowed in _INFERENCE_CHOICES.items():
+            if getattr(self, key) not in allowed:
+                raise ValueError(f"{key}: must be one of {list(allowed)}, got {getattr(self, key)!r}")
+
+
+@dataclass(frozen=True)
 class DistributedConfig:
     """Amax reductions across ranks (te_compile/distributed.py); nothing happens in one process."""
 
@@ -229,6 +248,7 @@ class TeConfig:
     # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
     native_block_gemm: bool = True
     distributed: DistributedConfig = DistributedConfig()
+    inference: InferenceConfig = InferenceConfig()
     source: str = "<defaults>"  # where the config came from, for messages and reports
 
     def __post_init__(self):
@@ -236,6 +256,23 @@ class TeConfig:
             raise ValueError(f"TeConfig.compiler must be one of {list(_COMPILERS)}, got {self.compiler!r}")
         # a list from Python callers becomes a tuple, so the config stays immutable and hashable
         object.__setattr__(self, "overrides", tuple(self.overrides))
+
+    def for_inference(self) -> "TeConfig":
+        """The config a graph compiled with grad disabled runs under: ``[inference] scaling = "current"``
+        turns DelayedScaling into its current-scaling counterpart; ``activation_scaling = "row"`` leaves
+        norms, activations and the fused output layer unfused (they hand the linears per-tensor FP8)."""
+        setting = self.inference
+
+        def swap(recipe):
+            current = setting.scaling == "current" and recipe is not None and recipe.delayed()
+            return recipe.current_scaling() if current else recipe
+
+        rewrite = self.rewrite
+        if setting.activation_scaling == "row":
+            rewrite = replace(rewrite, layer_norm=False, rms_norm=False, activation=False,
+                              linear_cross_entropy=False)
+        return replace(self, recipe=swap(self.recipe), rewrite=rewrite,
+                       overrides=tuple(replace(o, recipe=swap(o.recipe)) for o in self.overrides))
 
     def recipe_for(self, fqn: str) -> tuple[Optional[Recipe], str]:
         """(recipe, why) for a module FQN: the first matching override, else the global recipe."""
@@ -389,6 +426,17 @@ def _build_rewrite(value: Any, source: str) -> RewriteConfig:
     return RewriteConfig(**values)
 
 
+def _build_inference(value: Any, source: str) -> InferenceConfig:
+    if isinstance(value, InferenceConfig):
+        return value
+    table = _table(value, "inference", source)
+    _check_keys(table, tuple(_INFERENCE_CHOICES), "inference.", source)
+    for key, v in table.items():
+        if v not in _INFERENCE_CHOICES[key]:
+            raise _error(source, f"inference.{key}", f"must be one of {list(_INFERENCE_CHOICES[key])}, got {v!r}")
+    return InferenceConfig(**table)
+
+
 def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], source: str) -> Override:
     if isinstance(item, Override):
         return item
@@ -471,7 +519,8 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
     native = _convert(data.get("native_block_gemm", TeConfig.native_block_gemm), bool,
                       "native_block_gemm", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
-                    native_block_gemm=native, distributed=_build_distributed(data, source), source=source)
+                    native_block_gemm=native, distributed=_build_distributed(data, source),
+                    inference=_build_inference(data.get("inference", {}), source), source=source)
 
 
 # ---------------------------------------------------------------------------------------------

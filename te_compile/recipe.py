@@ -268,6 +268,13 @@ class DelayedScaling(Recipe):
         _check_flags(n, self, "reduce_amax", "fp8_activation_input")
         super().__post_init__()
 
+    def current_scaling(self) -> "Float8CurrentScaling":
+        """Float8CurrentScaling in this recipe's formats and attention flags: each tensor scaled from its
+        own amax instead of a history (inference graphs under ``[inference] scaling = "current"``)."""
+        return Float8CurrentScaling(fp8_format=self.fp8_format, fp8_dpa=self.fp8_dpa, fp8_mha=self.fp8_mha,
+                                    fp8_dpa_backward=self.fp8_dpa_backward,
+                                    fp8_activation_input=self.fp8_activation_input)
+
 
 @dataclass(frozen=True, repr=False)
 class Float8CurrentScaling(Recipe):

@@ -389,7 +389,8 @@ def error_for(tmp_path, monkeypatch):
 def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
-                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group', 'mesh'\]", message), message
+                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group', 'mesh', "
+                     r"'inference'\]", message), message
 
 
 def test_error_unknown_recipe_name(error_for):

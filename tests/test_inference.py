@@ -137,6 +137,54 @@ def test_cached_weight_is_made_again_when_the_weight_or_its_scale_changes(quanti
     check(12)   # loading writes every state tensor: every copy is made again
 
 
+# ---- [inference] scaling and activation_scaling ---------------------------------------------------------
+
+
+def test_inference_scaling_current_runs_delayed_scaling_sites_as_current_scaling():
+    torch.manual_seed(0)
+    model, x = NormMLP(), torch.randn(4, 32)
+    outs = []
+    for options in ({"recipe": "DelayedScaling", "inference": {"scaling": "current"}}, {"recipe": "Float8CurrentScaling"}):
+        compiled = _compiled(model, options.pop("recipe"), **options)
+        with torch.no_grad():
+            outs.append(compiled(x))
+        rows = {r.fqn: r.recipe for r in te_compile.report().sites if r.op == "linear"}
+        assert rows == {"up": "Float8CurrentScaling", "down": "Float8CurrentScaling", "": "Float8CurrentScaling"}
+    assert torch.equal(*outs)
+    assert te_compile.recipe_state_dict(model) == {}   # no delayed state made for the inference graph
+
+
+def test_rowwise_linear_scales_each_token_on_its_own():
+    """One scale per row of x (current scaling's rule per row), the weight per tensor: the bits of a
+    by-hand quantization, and rows of very different magnitudes each keep their precision."""
+    from te_compile.lowerings.rowwise_linear import rowwise_fp8_linear
+    from te_compile.quantization import current_scale
+    from te_compile.recipe import Float8CurrentScaling
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 64) * torch.logspace(-3, 2, 6)[:, None]
+    w = torch.randn(32, 64) / 8
+    recipe = Float8CurrentScaling()
+    y = rowwise_fp8_linear(x, w, recipe)
+    sx = current_scale(x.abs().amax(dim=1, keepdim=True), "input", recipe)   # [6, 1]: 448 / each row's amax
+    sw = current_scale(w.abs().amax().reshape(1), "weight", recipe)
+    xq, wq = (x * sx).to(torch.float8_e4m3fn), (w * sw).to(torch.float8_e4m3fn)
+    assert torch.equal(y, (xq.float() @ wq.float().t()) * (1 / sx) * (1 / sw))
+    ref = x @ w.t()
+    assert min(sqnr(ref[i], y[i]) for i in range(6)) >= 25
+
+
+@pytest.mark.parametrize("key, value, words", [("scaling", "dynamic", "['static', 'current']"),
+                                                ("activation_scaling", "channel", "['tensor', 'row']"),
+                                                ("kv_cache", "fp8", "unknown key")])
+def test_inference_config_errors_name_the_file_key_and_choices(tmp_path, key, value, words):
+    path = tmp_path / "te.toml"
+    path.write_text(f'recipe = "DelayedScaling"\n[inference]\n{key} = "{value}"\n')
+    with pytest.raises(te_compile.ConfigError) as err:
+        te_compile.load_config(path)
+    assert str(path) in str(err.value) and f"inference.{key}" in str(err.value) and words in str(err.value)
+
+
 # ---- generate() with a static cache ----------------------------------------------------------------
 
 COMMON = dict(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
@@ -246,6 +294,19 @@ def test_trained_llama_decodes_in_fp8_close_to_high_precision(trained_llama):
     assert graphs == 2
     overall, worst, ref = _decode_numerics(model, prompts, out)
     assert overall >= 25 and worst >= 22, (overall, worst)
+    _tokens_match_or_near_tie(out.sequences, high, ref)
+
+
+@pytest.mark.slow
+def test_trained_llama_decodes_with_one_scale_per_token(trained_llama):
+    model, prompts, high, current, _ = trained_llama
+    out, graphs = _static_generate(model, "Float8CurrentScaling", prompts, 16,
+                                   inference={"activation_scaling": "row"})
+    assert graphs == 2
+    rows = [r for r in te_compile.report().sites if r.op == "linear"]
+    assert rows and all("one input scale per token" in r.reason for r in rows)
+    overall, worst, ref = _decode_numerics(model, prompts, out)
+    assert overall >= 28 and worst >= 25, (overall, worst)
     _tokens_match_or_near_tie(out.sequences, high, ref)
 
 

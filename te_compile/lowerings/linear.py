@@ -21,6 +21,7 @@ from ..quantization import quantizer_factory
 from ..recipe import Recipe
 from .fp8_linear import Fp8LinearFunction
 from .quantized_linear import QuantizedLinearFunction
+from .rowwise_linear import rowwise_fp8_linear
 from .sharded_linear import plan_linear_sharding, sharded_linear
 
 __all__ = ["LinearSpec", "LinearLowering", "gemm_kind", "autocast_dtype"]
@@ -38,6 +39,9 @@ class LinearSpec:
     # per role (input, weight, grad_output): groups current scaling all-reduces the amax over, for
     # plain tensors sharded by hand ([distributed] sharded_modules); DTensors bring their own
     amax_groups: tuple[tuple[AmaxGroup, ...], ...] = NO_GROUPS
+    # inference graphs under [inference] activation_scaling = "row": one input scale per token,
+    # forward only (rowwise_linear.py)
+    rowwise: bool = False
 
 
 def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optional[torch.device] = None) -> str:
@@ -116,6 +120,8 @@ class LinearLowering:
         if not self.spec.recipe.per_tensor:
             y = QuantizedLinearFunction.apply(x2d, w_nk, quantizer_factory(self.spec.recipe), self.spec.native_gemm,
                                               groups)
+        elif self.spec.rowwise:
+            y = rowwise_fp8_linear(x2d, w_nk, self.spec.recipe, delayed[2] if delayed else None)
         else:
             # current scaling: no carrier and no scales
             y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, groups, *(delayed or (None,) * 4))

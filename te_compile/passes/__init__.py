@@ -67,6 +67,9 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                graph_id: int = 0) -> PassResult:
     """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
     seen and the extra inputs the rewritten graph takes."""
+    inference = not torch.is_grad_enabled()   # Dynamo guards on the grad mode: training has its own graph
+    if inference:
+        config = config.for_inference()
     setting = config.distributed
     mesh = setting.mesh if setting.mesh is not None else graph_mesh(example_inputs)
 
@@ -84,7 +87,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
     ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group,
-                      inference=not torch.is_grad_enabled())
+                      inference=inference)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

@@ -8,7 +8,7 @@ from typing import Optional
 
 import torch.fx as fx
 
-from ..distributed import (NO_GROUPS, describe_role_groups, local_value, merge_role_groups,
+from ..distributed import (NO_GROUPS, describe_role_groups, is_dtensor, local_value, merge_role_groups,
                            minimal_groups)
 from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
@@ -141,7 +141,11 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
             why += "; weight quantized once, cached across calls until it changes (inference graph)"
         # the cached copy is [N, K] whatever the parameter's layout
         in_out = site.weight_in_out and cached is None
-        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups)
+        rowwise = (ctx.inference and recipe.per_tensor and config.inference.activation_scaling == "row"
+                   and plain_groups == NO_GROUPS and not is_dtensor(site.weight.meta.get("example_value")))
+        if rowwise:
+            why += "; one input scale per token (inference, activation_scaling = row)"
+        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise)
         planned.append((site, LinearLowering(spec), extra, cached))
         device = getattr(site.weight.meta.get("example_value"), "device", None)
         what = site.op_name if site.expert is None else \
