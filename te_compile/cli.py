@@ -2,6 +2,7 @@
 
     te-compile demo [--config PATH | --recipe NAME] [--steps N] [--device cpu|cuda] [--plot out.png]
                     [--report] [--peer torchao]
+    te-compile generate --checkpoint PATH --prompt TEXT [--tokens N] [--config PATH | --recipe NAME]
     te-compile report MODULE:FACTORY [--config PATH] [--recipe NAME] [--batch-size B] [--seq-len T]
     te-compile --version
 
@@ -10,6 +11,8 @@ source bytes (te_compile.data): once compiled with ``backend="te"``, once with i
 precision, and prints the two loss curves, throughput, saved-activation memory and how many sites of
 each op the te run rewrote (the full site table with --report); ``--peer torchao`` adds a third run,
 the same model converted with torchao's float8 training (the peer a user would pick instead).
+``demo --save PATH`` keeps the te run's model; ``generate`` continues a prompt with it, compiled with
+the te backend for inference and in high precision, and compares the two.
 ``report`` compiles any model factory with the te backend (aot_eager: no codegen) and prints which
 sites were rewritten and why the others were not. Usage errors exit with status 2.
 """
@@ -366,6 +369,8 @@ def _demo(args: argparse.Namespace) -> int:
         if transform is not None:
             model = transform(model, device)
         compiled = torch.compile(model, backend=backend_fn)
+        if backend_fn is te:
+            te_model = model
         result = _train(label.ljust(width), compiled, model.parameters(), batches, args.lr,
                         tokens_per_step, device, out)
         result.label = label
@@ -432,7 +437,110 @@ def _demo(args: argparse.Namespace) -> int:
         title = f"GPT {n_layer}x{n_embd}, batch {args.batch_size}x{block_size}, {device.type}"
         _plot(args.plot, runs, title)
         print(f"\nwrote the loss curves to {args.plot}", file=out)
+    if args.save:
+        _save_checkpoint(args.save, te_model, args.model, te.config)
+        print(f"\nsaved the te run's model and recipe state to {args.save} "
+              f"(te-compile generate --checkpoint {args.save} --prompt TEXT)", file=out)
     out.flush()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# generate
+
+# what `demo --save` writes: plain tensors, strings and ints only, so that `generate` reads it with
+# torch.load(weights_only=True)
+_CHECKPOINT_FORMAT = "te_compile.demo/1"
+_FACTORIES = ("small", "moe", "tiny")
+
+
+def _save_checkpoint(path: str, model: torch.nn.Module, name: str, config) -> None:
+    from .state import recipe_state_dict
+
+    state = {k: v.detach().to("cpu", torch.float32) if v.is_floating_point() else v.detach().cpu()
+             for k, v in model.state_dict().items()}
+    torch.save({"format": _CHECKPOINT_FORMAT, "model": name, "state_dict": state,
+                "recipe_state": {k: v.cpu() for k, v in recipe_state_dict(model).items()},
+                "recipe": config.recipe.name if config.recipe is not None else "none"}, path)
+
+
+def _load_checkpoint(path: str) -> dict:
+    if not os.path.isfile(path):
+        raise UsageError(f"--checkpoint {path}: no such file")
+    try:
+        checkpoint = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:   # a pickle with objects weights_only refuses, or not a torch file at all
+        raise UsageError(f"--checkpoint {path}: not a checkpoint that te-compile demo --save wrote "
+                         f"({type(e).__name__}: {str(e).splitlines()[0]})") from None
+    if not isinstance(checkpoint, dict) or checkpoint.get("format") != _CHECKPOINT_FORMAT:
+        raise UsageError(f"--checkpoint {path}: not a checkpoint that te-compile demo --save wrote "
+                         f"(expected format {_CHECKPOINT_FORMAT!r})")
+    if checkpoint.get("model") not in _FACTORIES:
+        raise UsageError(f"--checkpoint {path}: model {checkpoint.get('model')!r} is not one of {list(_FACTORIES)}")
+    return checkpoint
+
+
+def _greedy(model, ids: torch.Tensor, tokens: int, block: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """``tokens`` greedy steps of the GPT (no KV cache: each step reads the last ``block`` tokens);
+    (the ids with the new tokens, each step's last-position logits [1, V])."""
+    steps = []
+    for _ in range(tokens):
+        logits, _ = model(ids[:, -block:])
+        steps.append(logits[:, -1].float())
+        ids = torch.cat([ids, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return ids, steps
+
+
+def _text(ids: torch.Tensor) -> str:
+    return repr(bytes(ids.tolist()).decode("utf-8", errors="replace"))
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from . import report as te_report, reset
+    from .models import gpt_moe, gpt_small, gpt_tiny
+    from .state import load_recipe_state_dict
+
+    if args.tokens < 1:
+        raise UsageError(f"--tokens must be >= 1, got {args.tokens}")
+    if args.config is not None and not os.path.isfile(args.config):
+        raise UsageError(f"--config {args.config}: no such file")
+    prompt = args.prompt.encode("utf-8")
+    if not prompt:
+        raise UsageError("--prompt must not be empty")
+    checkpoint = _load_checkpoint(args.checkpoint)
+    model = {"small": gpt_small, "tiny": gpt_tiny, "moe": gpt_moe}[checkpoint["model"]]()
+    try:
+        model.load_state_dict(checkpoint["state_dict"])
+        load_recipe_state_dict(model, checkpoint.get("recipe_state", {}))
+    except (RuntimeError, ValueError, KeyError) as e:
+        raise UsageError(f"--checkpoint {args.checkpoint}: {str(e).splitlines()[0]}") from None
+    model.eval()
+    te = _te_backend(args.config, args.recipe, args.compiler, default_recipe=checkpoint["recipe"])
+    ids = torch.tensor([list(prompt)], dtype=torch.int64)
+    out = sys.stdout
+    print(f"te-compile generate: {checkpoint['model']} GPT from {args.checkpoint}, {args.tokens} greedy tokens, "
+          f"te recipe {_recipe_label(te)} against high precision (eager), cpu float32", file=out)
+    reset()
+    with torch.no_grad():
+        start = time.perf_counter()
+        fp8_ids, fp8_steps = _greedy(torch.compile(model, backend=te), ids, args.tokens, model.block_size)
+        fp8_s = time.perf_counter() - start
+        hp_ids, _ = _greedy(model, ids, args.tokens, model.block_size)
+        # high precision on the FP8 run's own tokens, so that the two logits compare step by step
+        hp_steps = [model(fp8_ids[:, :ids.shape[1] + i][:, -model.block_size:])[0][:, -1].float()
+                    for i in range(args.tokens)]
+    new = slice(ids.shape[1], None)
+    diff = (fp8_ids[0, new] != hp_ids[0, new]).nonzero()
+    agree = "all tokens equal" if not len(diff) else f"first difference at new token {int(diff[0]) + 1}"
+    noise = torch.stack(hp_steps) - torch.stack(fp8_steps)
+    sqnr = 20 * math.log10(torch.linalg.vector_norm(torch.stack(hp_steps)) / max(
+        torch.linalg.vector_norm(noise).item(), 1e-30))
+    rows = [("prompt", _text(ids[0])), ("te (FP8)", _text(fp8_ids[0, new])),
+            ("high precision", _text(hp_ids[0, new]))]
+    print(tabulate(rows, tablefmt="plain", disable_numparse=True), file=out)
+    print(f"\n{agree}; logits SQNR of te against high precision on te's tokens: {sqnr:.1f} dB; "
+          f"te: {fp8_s:.1f} s including compilation", file=out)
+    print("\n".join(_site_counts(te_report())), file=out)
     return 0
 
 
@@ -563,7 +671,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=_PROG, description="te_compile: TransformerEngine-style FP8 training through torch.compile.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,report}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,generate,report}")
 
     demo = sub.add_parser(
         "demo", help="train a small GPT in FP8 (te) and in high precision side by side",
@@ -586,12 +694,28 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--peer", choices=_PEERS,
                       help="add a third run with a peer's FP8 training on the same model and batches: "
                            f"torchao float8 (tensorwise; needs {_BENCH_HINT})")
-    demo.add_argument("--model", choices=("small", "moe", "tiny"), default="small",
+    demo.add_argument("--save", metavar="PATH",
+                      help="save the te run's trained model and recipe state for te-compile generate")
+    demo.add_argument("--model", choices=_FACTORIES, default="small",
                       help="small: 4 blocks of width 128 (default); moe: the same with a mixture of 8 "
                            "experts (top-2, a shared expert) in every block; tiny: one block, for quick checks")
     # for tests and quick checks: aot_eager (no inductor codegen) for both runs
     demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
     demo.set_defaults(handler=_demo)
+
+    generate = sub.add_parser(
+        "generate", help="generate text with a model te-compile demo --save wrote, in FP8 and in high precision",
+        description="Load a checkpoint written by te-compile demo --save (read with torch.load(weights_only="
+                    "True)), then continue PROMPT greedily twice: the model compiled with backend='te' under "
+                    "no_grad (an inference graph: weights quantized once) and the model in high precision.")
+    generate.add_argument("--checkpoint", metavar="PATH", required=True, help="file from te-compile demo --save")
+    generate.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes are the tokens)")
+    generate.add_argument("--tokens", type=int, default=32, help="new tokens (default: 32)")
+    generate.add_argument("--config", metavar="PATH", help="te_compile TOML config ([inference] keys apply)")
+    generate.add_argument("--recipe", metavar="NAME",
+                          help="recipe class name, layered over --config (default: the checkpoint's)")
+    generate.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
+    generate.set_defaults(handler=_generate)
 
     report = sub.add_parser(
         "report", help="compile a model factory with the te backend and print the site table",

@@ -194,6 +194,40 @@ def test_demo_tiny_trains_both_runs_and_prints_the_summary(tmp_path, capsys, con
         assert plot.stat().st_size > 0
 
 
+def test_demo_save_then_generate_in_fp8_and_high_precision(tmp_path, capsys):
+    ckpt = tmp_path / "tiny.pt"
+    argv = ["demo", "--model", "tiny", "--compiler", "aot_eager", "--steps", "2", "--batch-size", "2",
+            "--recipe", "DelayedScaling", "--save", str(ckpt)]
+    assert main(argv) == 0
+    assert f"saved the te run's model and recipe state to {ckpt}" in capsys.readouterr().out
+    saved = torch.load(ckpt, weights_only=True)
+    assert saved["recipe"] == "DelayedScaling" and saved["recipe_state"]   # the trained scales travel along
+    argv = ["generate", "--checkpoint", str(ckpt), "--prompt", "def f(", "--tokens", "4", "--compiler", "aot_eager"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    for text in ("te recipe DelayedScaling", "prompt          'def f('", "te (FP8)", "high precision",
+                 "logits SQNR of te against high precision", "linear 5/5"):
+        assert text in out, f"{text!r} missing from:\n{out}"
+
+
+class _NotATensor:
+    pass
+
+
+@pytest.mark.parametrize("content, words", [
+    ("missing", "no such file"),
+    ("object", "not a checkpoint that te-compile demo --save wrote (UnpicklingError"),
+    ("format", "expected format 'te_compile.demo/1'")])
+def test_generate_refuses_what_it_cannot_read_safely(tmp_path, capsys, content, words):
+    path = tmp_path / "c.pt"
+    if content == "object":   # weights_only=True refuses arbitrary objects instead of running their code
+        torch.save({"format": "te_compile.demo/1", "model": "tiny", "x": _NotATensor()}, path)
+    elif content == "format":
+        torch.save({"state_dict": {}}, path)
+    assert main(["generate", "--checkpoint", str(path), "--prompt", "x"]) == 2
+    assert words in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_demo_moe_rewrites_every_expert_gemm(capsys):
     argv = ["demo", "--model", "moe", "--compiler", "aot_eager", "--steps", "2", "--batch-size", "1"]
