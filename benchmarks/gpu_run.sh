@@ -19,8 +19,8 @@
 #                                         # GEMM, torchao with padded groups), then where the block step's time goes
 #   bash benchmarks/gpu_run.sh lease-5    # the next lease: the block step again (norm backward now inductor's),
 #                                         # MoE with torchao's row, and where the MoE layer's time goes
-#   bash benchmarks/gpu_run.sh lease-6    # the output layer and its loss (Llama 3's 128k vocab), then the
-#                                         # fused op's tests under the image's torch
+#   bash benchmarks/gpu_run.sh lease-6    # the output layer and its loss (Llama 3's 128k vocab), the fused
+#                                         # op's tests under the image's torch, then generation (FP8 inference)
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -122,6 +122,10 @@ case "$part" in
         tail -14 "$OUT/linear-ce.txt"
         timed 150 "linear-ce tests" linear-ce-tests.txt "$PY" -m pytest -q -x -n 4 tests/test_linear_cross_entropy.py
         tail -4 "$OUT/linear-ce-tests.txt"
+        # generation, CUDA graphs included (goals: decode >= 1.15x at batch 32, prefill >= 1.35x)
+        carry_torchao
+        timed 200 "generate" generate.txt "$PY" benchmarks/bench_generate.py --device cuda
+        tail -8 "$OUT/generate.txt"
         ;;
     lease-4)
         carry_torchao

@@ -29,7 +29,7 @@ from .recipe import Recipe
 from .state import state_for
 from .tensor.float8_tensor import Float8Tensor
 
-__all__ = ["cached_fp8_weight", "clear_weight_cache"]
+__all__ = ["cached_fp8_weight", "clear_weight_cache", "cached_bytes"]
 
 
 @dataclass
@@ -82,3 +82,13 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
 def clear_weight_cache() -> None:
     """Drop every cached FP8 weight; the next call of an inference graph makes them again."""
     _CACHE.clear()
+
+
+def cached_bytes(weights) -> int:
+    """Bytes of the FP8 copies (data and scales) the cache holds for ``weights`` (e.g. a model's
+    parameters)."""
+    total = 0
+    for w in weights:
+        for entry in (_CACHE[w].values() if w in _CACHE else ()):
+            total += entry.tensor._data.numel() * entry.tensor._data.element_size() + entry.tensor._scale_inv.numel() * 4
+    return total
