@@ -13,6 +13,7 @@ from .state import load_recipe_state_dict, recipe_state_dict
 from .lowerings.delayed_state import advance_delayed_state
 from .fsdp import enable_fp8_all_gather
 from .calibration import calibrate
+from .kv_cache import fp8_static_cache
 from .primary_weights import quantized_model_init
 from .hardware import (
     get_device_compute_capability,
@@ -57,8 +58,9 @@ __all__ = [
     "advance_delayed_state",
     # FSDP2: all-gather the weights of FP8 linears as FP8 (call before fully_shard)
     "enable_fp8_all_gather",
-    # inference: delayed-scaling scales from high-precision forwards
+    # inference: delayed-scaling scales from high-precision forwards; an E4M3 static KV cache
     "calibrate",
+    "fp8_static_cache",
     # FP8 primary weights: nn.Linear weights built quantized (te_compile.tensor.utils has the
     # master-weight cast for the optimizer)
     "quantized_model_init",

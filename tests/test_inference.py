@@ -198,11 +198,12 @@ BUILDERS = {
 }
 
 
-def _static_generate(model, recipe, ids, new_tokens, **options):
-    """Greedy generate() with a static cache and the forward compiled as Hugging Face documents it."""
+def _static_generate(model, recipe, ids, new_tokens, cache=None, **options):
+    """Greedy generate() with a static cache (``cache``: that cache object instead) and the forward
+    compiled as Hugging Face documents it."""
     from torch._dynamo.utils import counters
 
-    model.generation_config.cache_implementation = "static"
+    model.generation_config.cache_implementation = "static" if cache is None else None
     model.generation_config.pad_token_id = 0
     torch._dynamo.reset()
     te_compile.reset()
@@ -211,7 +212,7 @@ def _static_generate(model, recipe, ids, new_tokens, **options):
     counters.clear()
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True)
+                             output_logits=True, return_dict_in_generate=True, past_key_values=cache)
     finally:
         del model.forward   # the class's forward again: the model runs in high precision
     return out, counters["stats"]["unique_graphs"]
@@ -308,6 +309,30 @@ def test_trained_llama_decodes_with_one_scale_per_token(trained_llama):
     overall, worst, ref = _decode_numerics(model, prompts, out)
     assert overall >= 28 and worst >= 25, (overall, worst)
     _tokens_match_or_near_tie(out.sequences, high, ref)
+
+
+@pytest.mark.slow
+def test_trained_llama_decodes_with_an_fp8_kv_cache(trained_llama):
+    """K and V held as E4M3 with one scale per (row, head, token): (D + 4) bytes a vector against the
+    fp32 cache's 4D, and decoding stays close to high precision."""
+    from transformers import StaticCache
+
+    from te_compile.kv_cache import kv_cache_bytes
+
+    model, prompts, high, _, _ = trained_llama
+    length = prompts.shape[1] + 16
+    cache = te_compile.fp8_static_cache(model.config, length)
+    out, graphs = _static_generate(model, "Float8CurrentScaling", prompts, 16, cache=cache)
+    assert graphs == 2
+    overall, worst, ref = _decode_numerics(model, prompts, out)
+    assert overall >= 25 and worst >= 20, (overall, worst)
+    _tokens_match_or_near_tie(out.sequences, high, ref)
+    plain = StaticCache(config=model.config, max_cache_len=length)
+    with torch.no_grad():
+        model.generate(prompts[:, :4], attention_mask=torch.ones_like(prompts[:, :4]), max_new_tokens=1,
+                       do_sample=False, past_key_values=plain, pad_token_id=0)
+    head_dim = model.config.hidden_size // model.config.num_attention_heads
+    assert kv_cache_bytes(cache) * 4 * head_dim == kv_cache_bytes(plain) * (head_dim + 4)
 
 
 @pytest.mark.slow
