@@ -59,7 +59,7 @@ FORMS = {
     "mqa": (lambda: Sdpa(kv="mqa"), True, "FP8 forward"),   # one k/v head, broadcast (Falcon)
     "scale": (lambda: Sdpa(scale=0.3), True, "FP8 forward"),
     "dropout": (lambda: Sdpa(dropout_p=0.5), False, "dropout_p=0.5 (FP8 attention has no dropout)"),
-    "learned_bias": (LearnedBias, False, "attn_mask requires grad (a learned bias)"),
+    "learned_bias": (LearnedBias, True, "FP8 forward"),   # its gradient: test_a_learned_bias_gets_its_gradient
     "wide_head": (lambda: Sdpa(kv="wide", own_q=True), False, "head dim 320 > 256"),
 }
 REWRITTEN = [name for name, (_, ok, _) in FORMS.items() if ok]
@@ -163,7 +163,7 @@ def test_rewritten_forms_compute_the_reference_bit_for_bit(compiled, name):
 
 def test_fallbacks_still_compute_sdpa(compiled):
     _, _, q, inputs, outs, _ = compiled
-    for name in ("learned_bias", "wide_head"):
+    for name in ("wide_head",):
         module = FORMS[name][0]()
         torch.testing.assert_close(outs[name], module(q, inputs), rtol=1e-5, atol=1e-6)
     assert outs["dropout"].shape == q.shape and torch.isfinite(outs["dropout"]).all()
@@ -232,3 +232,80 @@ def test_compiled_forward_saves_fp8_qkv_o_and_the_logsumexp():
         ((B, H, T), torch.float32)], key=str), saved
     o.float().sum().backward()
     assert q.grad.dtype == torch.bfloat16 and inputs["gqa"][0].grad.shape == (B, HKV, T, D)
+
+
+@pytest.mark.parametrize("fp8_backward", [False, True], ids=["high_precision", "fp8"])
+def test_a_learned_bias_gets_its_gradient(fp8_backward):
+    """An additive mask that requires grad (T5's position bias) gets dS summed over the dims it was
+    broadcast along, in fp32, from the same backward; q, k and v get what they get without it."""
+    from te_compile.lowerings.attention import AttentionSpec, Fp8AttentionFunction
+    from te_compile.recipe import Float8CurrentScaling
+
+    b, h, t, d = 2, 4, 32, 16
+    spec = AttentionSpec("a", Float8CurrentScaling(), d ** -0.5, False, fp8_backward)
+
+    def grads(q, k, v, bias, fp8: bool):
+        leaves = [x.detach().requires_grad_() for x in (q, k, v, bias)]
+        o = (Fp8AttentionFunction.apply(*leaves, spec, None, None, None, None, None) if fp8 else
+             F.scaled_dot_product_attention(*leaves[:3], attn_mask=leaves[3], scale=d ** -0.5))
+        o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
+        return [x.grad for x in leaves]
+
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen) for _ in range(3))
+    bias = torch.randn(1, h, t, t, generator=gen) * 0.5   # broadcast over the batch
+    got, ref = grads(q, k, v, bias, True), grads(q, k, v, bias, False)
+    assert got[3].shape == bias.shape
+    assert_sqnr_at_least(ref[3], got[3], 20.0, "dbias")
+    # the same dq, dk, dv as with a bias that needs no gradient
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    o = Fp8AttentionFunction.apply(*leaves, bias, spec, None, None, None, None, None)
+    o.backward(torch.randn(o.shape, generator=torch.Generator().manual_seed(1)))
+    for x, g in zip(leaves, got):
+        assert_bitwise_equal(x.grad, g)
+    if fp8_backward:   # dO in E5M2 bounds that mode's dS
+        return
+    # inputs exact in E4M3 (per-head amax 7, scale 64): dbias as close as dq and dk are, P's rounding
+    exact = [torch.randint(-6, 7, (b, h, t, d), generator=gen).float() / 8 for _ in range(3)]
+    for x in exact:
+        x[..., 0, 0] = 7.0
+    bias = torch.randint(-4, 5, (1, h, t, t), generator=gen).float() / 4
+    got, ref = grads(*exact, bias, True), grads(*exact, bias, False)
+    assert_sqnr_at_least(ref[3], got[3], 35.0, "dbias, exact inputs")
+
+
+T5_CONFIG = dict(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                 dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
+
+
+@pytest.mark.slow
+def test_t5_runs_fp8_attention_in_every_attention_with_its_position_bias_gradient():
+    """Tiny HF T5 (encoder-decoder; sdpa): every self- and cross-attention in FP8, the relative position
+    bias learned through them. Only the attention is FP8 here, so the bias gradients compare with
+    fp32 SDPA's."""
+    transformers = pytest.importorskip("transformers")
+    import copy
+
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(**T5_CONFIG))
+    model.config._attn_implementation = "sdpa"
+    ref = copy.deepcopy(model)
+    ids, labels = torch.randint(0, 128, (2, 16)), torch.randint(0, 128, (2, 8))
+    torch._dynamo.reset()
+    te_compile.reset()
+    fp8 = torch.compile(model, backend="te", options={
+        "recipe": "Float8CurrentScaling", "compiler": "aot_eager",
+        "rewrite": {"sdpa": True, "linear": False, "rms_norm": False, "activation": False}})
+    loss = fp8(input_ids=ids, labels=labels).loss
+    loss.backward()
+    ref_loss = ref(input_ids=ids, labels=labels).loss
+    ref_loss.backward()
+    rows = [r for r in te_compile.report().sites if r.op == "sdpa"]
+    assert len(rows) == 6 and all(r.rewritten for r in rows), [(r.fqn, r.reason) for r in rows]
+    assert abs(loss.item() - ref_loss.item()) <= 1e-3 * ref_loss.item()
+    ref_params = dict(ref.named_parameters())
+    biases = [n for n, _ in model.named_parameters() if "relative_attention_bias" in n]
+    assert len(biases) == 2
+    for name, p in model.named_parameters():
+        if name in biases:   # 19-20 dB measured: the bucket sums of dS cancel (each row of dS sums to 0)
+            assert_sqnr_at_least(ref_params[name].grad, p.grad, 15.0, name)

@@ -177,11 +177,13 @@ def fp8_attention_backward_reference(
     do: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
     o: Tensor, lse: Tensor, *, sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None,
     fp8_grads: bool = False, grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
-) -> tuple[Tensor, Tensor, Tensor]:
+    return_ds: bool = False,
+) -> tuple[Tensor, ...]:
     """(dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]) in fp32, from dO [B, H, Tq, D], the forward's FP8
     operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
     "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS, ``do_scale`` dO's
-    delayed-scaling scale (fp32 [1]; None: current scaling per (batch, head))."""
+    delayed-scaling scale (fp32 [1]; None: current scaling per (batch, head)). ``return_ds``: also dS
+    [B, H, Tq, Tk] in fp32 (before the "fp8" mode rounds it), the gradient of an additive mask."""
     h, tq, tk = q8.shape[1], q8.shape[2], k8.shape[2]
     group = h // k8.shape[1]
     # the forward's scores, in the forward's order of operations
@@ -204,7 +206,7 @@ def fp8_attention_backward_reference(
         ds = p * (dp - delta)
         dq = (ds @ k) * sm_scale
         dk = (ds.transpose(-2, -1) @ q) * sm_scale
-        return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+        return (dq, _per_kv_head(dk, group), _per_kv_head(dv, group), *((ds,) if return_ds else ()))
     do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype, do_scale)
     do_q = do8.to(torch.float32)
     p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q8.device), E4M3).to(torch.float32)
@@ -218,7 +220,7 @@ def fp8_attention_backward_reference(
     kd = k_descale.repeat_interleave(group, dim=1)
     dq = (ds8 @ k8f) * (ds_descale * kd * sm_scale)[..., None, None]
     dk = (ds8.transpose(-2, -1) @ q8f) * (ds_descale * q_descale * sm_scale)[..., None, None]
-    return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
+    return (dq, _per_kv_head(dk, group), _per_kv_head(dv, group), *((ds,) if return_ds else ()))
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,6 +46,7 @@ from ..kernels.fp8_attention import (
     E4M3,
     dequantize_heads,
     fp8_attention_backward,
+    fp8_attention_backward_reference,
     fp8_attention_forward,
     quantize_heads,
 )
@@ -191,9 +192,37 @@ def _(do, q8, k8, v8, o8, q_descale, k_descale, v_descale, o_descale, lse, mask,
             do.new_empty(1, dtype=torch.float32))
 
 
+@torch.library.custom_op("te_compile::fp8_attention_backward_bias", mutates_args=())
+def _backward_bias_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch.Tensor, o8: torch.Tensor,
+                      q_descale: torch.Tensor, k_descale: torch.Tensor, v_descale: torch.Tensor,
+                      o_descale: torch.Tensor, lse: torch.Tensor, mask: torch.Tensor, sm_scale: float,
+                      causal: bool, fp8_grads: bool, grad_dtype: torch.dtype, do_scale: Optional[torch.Tensor] = None
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``fp8_attention_backward`` for a learned additive mask (T5's position bias): also dMask, dS
+    [B, H, Tq, Tk] in fp32 summed over the dims the mask was broadcast along. It runs the torch
+    reference (dS as large as the mask's broadcast, as the scores are), on GPUs too."""
+    o = dequantize_heads(o8, o_descale)
+    dq, dk, dv, ds = fp8_attention_backward_reference(
+        do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal, mask=mask,
+        fp8_grads=fp8_grads, grad_dtype=grad_dtype, do_scale=do_scale, return_ds=True)
+    do_amax = (do.abs().amax().to(torch.float32).reshape(1) if fp8_grads and do_scale is not None
+               else do.new_zeros(1, dtype=torch.float32))
+    dmask = ds.sum_to_size(mask.shape).to(mask.dtype)
+    return (dq.to(do.dtype).contiguous(), dk.to(do.dtype).contiguous(), dv.to(do.dtype).contiguous(), do_amax,
+            dmask.contiguous())
+
+
+@_backward_bias_op.register_fake
+def _(do, q8, k8, v8, o8, q_descale, k_descale, v_descale, o_descale, lse, mask, sm_scale, causal, fp8_grads,
+      grad_dtype, do_scale=None):
+    return (do.new_empty(q8.shape), do.new_empty(k8.shape), do.new_empty(v8.shape),
+            do.new_empty(1, dtype=torch.float32), mask.new_empty(mask.shape))
+
+
 class Fp8AttentionFunction(torch.autograd.Function):
-    """q [B, H, Tq, D], k and v [B, Hkv, Tk, D], mask (broadcastable to [B, H, Tq, Tk], no grad) or
-    None -> o [B, H, Tq, D] in q's dtype.
+    """q [B, H, Tq, D], k and v [B, Hkv, Tk, D], mask (broadcastable to [B, H, Tq, Tk]; a float mask
+    may require grad: a learned bias, whose gradient is dS summed to its shape) or None -> o
+    [B, H, Tq, D] in q's dtype.
 
     Delayed scaling passes the query, key, value and grad_output scales (fp32 [1] each, read only)
     and, when a backward follows, ``carrier``: the backward returns this call's amaxes [q, k, v, dO]
@@ -215,11 +244,15 @@ class Fp8AttentionFunction(torch.autograd.Function):
     def backward(ctx, do):
         q8, k8, v8, o8, qd, kd, vd, od, lse, mask, amaxes, *do_scale = ctx.saved_tensors
         spec = ctx.spec
-        dq, dk, dv, do_amax = torch.ops.te_compile.fp8_attention_backward(
-            do.contiguous(), q8, k8, v8, o8, qd, kd, vd, od, lse, mask, spec.sm_scale, spec.causal,
-            spec.fp8_backward, spec.grad_dtype, do_scale[0] if do_scale else None)
+        args = (do.contiguous(), q8, k8, v8, o8, qd, kd, vd, od, lse, mask, spec.sm_scale, spec.causal,
+                spec.fp8_backward, spec.grad_dtype, do_scale[0] if do_scale else None)
+        dmask = None
+        if ctx.needs_input_grad[3]:   # a learned additive mask
+            dq, dk, dv, do_amax, dmask = torch.ops.te_compile.fp8_attention_backward_bias(*args)
+        else:
+            dq, dk, dv, do_amax = torch.ops.te_compile.fp8_attention_backward(*args)
         carrier_grad = torch.cat([amaxes, do_amax]) if ctx.needs_input_grad[5] else None
-        return dq, dk, dv, None, None, carrier_grad, None, None, None, None, None, None, None, None
+        return dq, dk, dv, dmask, None, carrier_grad, None, None, None, None, None, None, None, None
 
 
 def split_fp8_inputs(spec: AttentionSpec, rest: tuple) -> tuple[tuple, tuple]:

@@ -95,8 +95,6 @@ def _ineligibility(args: dict) -> Optional[str]:
             return "attn_mask is not a tensor the graph describes"
         if mask.dtype != torch.bool and mask.dtype != q.dtype:
             return f"attn_mask dtype {mask.dtype} (bool or q's dtype {q.dtype} supported)"
-        if mask.requires_grad:
-            return "attn_mask requires grad (a learned bias)"
         if mask.dim() > 4:
             return f"attn_mask has {mask.dim()} dims"
         if is_dtensor(mask) or mask.is_nested:
