@@ -150,7 +150,7 @@ def _world(rank: int) -> dict:
     per rank). Inductor first: the others install AotGraphs, which replaces the final compiler."""
     out = {}
     for key, worker in (("inductor", _inductor_worker), ("ddp", _ddp_worker), ("tp", _tp_worker),
-                        ("vocab", _vocab_worker), ("hand", _hand_worker)):
+                        ("vocab", _vocab_worker), ("cp", _cp_worker), ("hand", _hand_worker)):
         torch._dynamo.reset()
         te_compile.reset()
         out[key] = worker(rank)
@@ -636,6 +636,73 @@ def test_vocab_parallel_never_communicates_logits(vocab_results):
             assert sorted(c[2] for c in maxes) == ([1, tokens] if name == "current" else [tokens]), forward
             for op, _, numel in [*forward, *backward]:
                 assert numel < local_logits, (name, op, numel, local_logits)
+
+
+# ---------------------------------------------------------------------------------------------
+# Context-parallel FP8 attention (the op; not routed from SDPA sites yet)
+
+
+def _cp_worker(rank: int) -> dict:
+    """Causal attention over a 32-token sequence split load-balanced over 2 ranks (rank 0: positions
+    0-7 and 24-31), GQA (4 query heads, 2 key/value heads), against one process's FP8 attention."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import te_compile.lowerings.context_parallel_attention as cpa
+    from te_compile.distributed import mesh_dim_group
+    from te_compile.lowerings.attention import AttentionSpec, Fp8AttentionFunction
+    from te_compile.recipe import Float8CurrentScaling
+
+    group = mesh_dim_group(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",)), 0)
+    gathered, real = [], cpa._gather_seq
+
+    def counting(x, g):
+        gathered.append((str(x.dtype), x.numel() * x.element_size()))
+        return real(x, g)
+
+    cpa._gather_seq = counting
+    try:
+        gen = torch.Generator().manual_seed(0)
+        b, h, hkv, t, d = 2, 4, 2, 32, 16
+        q = torch.randn(b, h, t, d, generator=gen)
+        k, v = (torch.randn(b, hkv, t, d, generator=gen) for _ in range(2))
+        do = torch.randn(b, h, t, d, generator=gen)
+        pos = cpa.load_balanced_positions(t, rank, WORLD)
+        local = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
+        o = cpa.ContextParallelAttention.apply(*local, pos, group, True, d ** -0.5)
+        o.backward(do[:, :, pos])
+    finally:
+        cpa._gather_seq = real
+    full = [x.clone().requires_grad_() for x in (q, k, v)]
+    spec = AttentionSpec("attn", Float8CurrentScaling(), d ** -0.5, True)
+    ref = Fp8AttentionFunction.apply(*full, None, spec, None, None, None, None, None)
+    ref.backward(do)
+    return {"pos": pos, "o": (o.detach(), ref.detach()[:, :, pos]),
+            "grads": [(x.grad, f.grad[:, :, pos]) for x, f in zip(local, full)], "gathered": gathered,
+            "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2}
+
+
+@pytest.fixture(scope="module")
+def cp_results(world):
+    return [r["cp"] for r in world]
+
+
+def test_context_parallel_fp8_attention_matches_one_process(cp_results):
+    """Every rank scales Q, K, V (and O) with the whole sequence's per-head amax, so its FP8 bytes are
+    one process's: the local output and gradients equal the unsharded FP8 attention's to fp32 rounding."""
+    covered = torch.cat([r["pos"] for r in cp_results]).sort().values
+    assert torch.equal(covered, torch.arange(32))
+    for r in cp_results:
+        o, ref = r["o"]
+        assert sqnr(ref, o) >= 40, sqnr(ref, o)
+        for (g, g_ref), name in zip(r["grads"], "qkv"):
+            assert sqnr(g_ref, g) >= 40, (name, sqnr(g_ref, g))
+
+
+def test_context_parallel_exchanges_k_and_v_in_fp8(cp_results):
+    for r in cp_results:
+        kv = [(dtype, n) for dtype, n in r["gathered"] if dtype == "torch.uint8"]
+        assert len(kv) == 2 and all(dtype != "torch.bfloat16" for dtype, _ in r["gathered"]), r["gathered"]
+        assert sum(n for _, n in kv) / r["kv_bf16_bytes"] == 0.5   # K and V bytes against bf16's
 
 
 # ---------------------------------------------------------------------------------------------

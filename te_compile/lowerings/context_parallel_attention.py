@@ -1,0 +1,97 @@
+"""FP8 attention over a sequence split across ranks (context parallel), K and V exchanged in FP8.
+
+Each rank of the context-parallel group holds rows of Q, K, V [B, H, t, D] and their global
+positions [t] (torch's load-balanced causal split gives rank r the chunks r and 2R-1-r of 2R, so that
+causal work is even). Forward:
+
+1. the amaxes of Q, K and V per (batch, head) are all-reduced (MAX) over the group, so every rank
+   scales as one process scaling the whole sequence would and its FP8 bytes are that process's (O,
+   saved in FP8 for the backward, likewise);
+2. K and V are all-gathered as FP8 bytes (1 byte per element, half of bf16's), with the positions;
+3. te's FP8 attention runs the local queries against every key, masked by position (causal: a key
+   at or before the query).
+
+Backward: dQ stays local; dK and dV, computed for every key, are reduce-scattered (summed) back to the
+ranks that hold those keys. One all-gather forward and one reduce-scatter backward per tensor: the
+simplest exchange to schedule, at T/R x T scores per rank; a ring that overlaps the exchange with the
+blocks' compute is the long-sequence GPU refinement (not built).
+
+``ContextParallelAttention.apply(q, k, v, positions, group, causal, sm_scale)`` with ``group`` an
+AmaxGroup (te_compile.distributed) of the context-parallel ranks. Per-(batch, head) current scaling
+and the high-precision backward (``fp8_dpa_backward = "high_precision"``): the "fp8" backward scales
+dO per (batch, head) from its rows, which would need the same all-reduce as Q, K, V first (not built).
+The pass does not route SDPA sites here yet.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..distributed import AmaxGroup, all_reduce
+from ..kernels.fp8_attention import E4M3, dequantize_heads, fp8_attention_backward, fp8_attention_forward
+from ..scaling import cast_to_fp8, compute_scale
+
+__all__ = ["ContextParallelAttention", "load_balanced_positions"]
+
+
+def load_balanced_positions(seq_len: int, rank: int, ranks: int) -> torch.Tensor:
+    """The global positions rank ``rank`` of ``ranks`` holds under the load-balanced causal split: chunks
+    ``rank`` and ``2 * ranks - 1 - rank`` of ``2 * ranks`` equal chunks (``seq_len`` divisible by it)."""
+    if seq_len % (2 * ranks):
+        raise ValueError(f"sequence length {seq_len} must split into 2 x {ranks} equal chunks")
+    chunk = seq_len // (2 * ranks)
+    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
+                      torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk)])
+
+
+def _gather_seq(x: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
+    """[..., t, D] on each rank -> [..., R * t, D], the ranks' rows in rank order (dim -2)."""
+    moved = x.movedim(-2, 0).contiguous()
+    out = torch.ops._c10d_functional.all_gather_into_tensor.default(moved, group.size, group.name)
+    return torch.ops._c10d_functional.wait_tensor.default(out).movedim(0, -2)
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
+    """[..., R * t, D] on each rank -> this rank's [..., t, D] of the sum over ranks."""
+    moved = x.movedim(-2, 0).contiguous()
+    out = torch.ops._c10d_functional.reduce_scatter_tensor.default(moved, "sum", group.size, group.name)
+    return torch.ops._c10d_functional.wait_tensor.default(out).movedim(0, -2)
+
+
+class ContextParallelAttention(torch.autograd.Function):
+    """q [B, H, t, D], k and v [B, Hkv, t, D]: this rank's rows at ``positions`` [t] -> o [B, H, t, D]."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, positions, group: AmaxGroup, causal: bool, sm_scale: float):
+        amaxes = [t.detach().abs().amax(dim=(-2, -1)).to(torch.float32) for t in (q, k, v)]   # [B, H(kv)]
+        flat = all_reduce(torch.cat([a.reshape(-1) for a in amaxes]), "max", group)   # one collective
+        scales = [part.reshape(a.shape) for part, a in zip(flat.split([a.numel() for a in amaxes]), amaxes)]
+        scales = [compute_scale(s, E4M3) for s in scales]
+        q8, k8, v8 = (cast_to_fp8(t, s[..., None, None], E4M3) for t, s in zip((q, k, v), scales))
+        descales = [torch.div(torch.ones_like(s), s) for s in scales]
+        # the exchange: FP8 bytes and the positions they sit at
+        k8_all = _gather_seq(k8.view(torch.uint8), group).view(E4M3)
+        v8_all = _gather_seq(v8.view(torch.uint8), group).view(E4M3)
+        key_positions = _gather_seq(positions.reshape(-1, 1), group).reshape(-1)
+        mask = (key_positions[None, :] <= positions[:, None]) if causal else None   # [t, R * t]
+        o, lse = fp8_attention_forward(q8, k8_all, v8_all, *descales, sm_scale=sm_scale, mask=mask,
+                                       out_dtype=q.dtype)
+        # saved in FP8 as the one-process op saves it, with the whole sequence's per-head scale
+        o_scale = compute_scale(all_reduce(o.detach().abs().amax(dim=(-2, -1)).to(torch.float32), "max", group), E4M3)
+        o8, o_descale = cast_to_fp8(o, o_scale[..., None, None], E4M3), torch.div(torch.ones_like(o_scale), o_scale)
+        ctx.save_for_backward(q8, k8_all, v8_all, *descales, o8, o_descale, lse,
+                              *((mask,) if mask is not None else ()))
+        ctx.group, ctx.sm_scale = group, sm_scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q8, k8_all, v8_all, qd, kd, vd, o8, o_descale, lse, *mask = ctx.saved_tensors
+        dq, dk_all, dv_all = fp8_attention_backward(
+            do.contiguous(), q8, k8_all, v8_all, qd, kd, vd, dequantize_heads(o8, o_descale), lse,
+            sm_scale=ctx.sm_scale, mask=mask[0] if mask else None)
+        dk = _reduce_scatter_seq(dk_all, ctx.group)
+        dv = _reduce_scatter_seq(dv_all, ctx.group)
+        q_dtype, k_dtype, v_dtype = ctx.dtypes
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
