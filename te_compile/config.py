@@ -46,7 +46,8 @@ _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
              "amax_group", "mesh", "inference")
 _INFERENCE_CHOICES = {"scaling": ("static", "current"), "activation_scaling": ("tensor", "row")}
-_DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims")
+_DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims",
+                     "context_parallel")
 _AMAX_GROUP_NAMES = ("auto", "world", "none")
 _EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
 _GROUP_FORMS = "a list of mesh dim names, or from Python a ProcessGroup or a DeviceMesh"
@@ -210,8 +211,15 @@ class DistributedConfig:
     # Mesh dims that are pipeline stages: no amax is ever reduced across them ("auto" leaves them out,
     # naming one in amax_group is an error), since each stage holds other weights and runs other graphs.
     pipeline_dims: tuple[str, ...] = ("pp",)
+    # The mesh dim whose ranks each hold a load-balanced slice of the sequence (context parallelism):
+    # every SDPA site then runs te's context-parallel FP8 attention over it, K and V exchanged in FP8.
+    # None: no context parallelism.
+    context_parallel: Optional[str] = None
 
     def __post_init__(self):
+        if self.context_parallel is not None and (not isinstance(self.context_parallel, str)
+                                                  or not self.context_parallel):
+            raise ValueError(f"context_parallel must be a mesh dim name, got {self.context_parallel!r}")
         object.__setattr__(self, "sharded_modules", tuple(self.sharded_modules))
         object.__setattr__(self, "pipeline_dims", tuple(self.pipeline_dims))
         for key, names in (("amax_group", _AMAX_GROUP_NAMES), ("expert_amax_group", _EXPERT_AMAX_GROUP_NAMES)):
@@ -466,7 +474,7 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     if isinstance(value, DistributedConfig):
         table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules,
                  "expert_amax_group": value.expert_amax_group, "mesh": value.mesh,
-                 "pipeline_dims": value.pipeline_dims}
+                 "pipeline_dims": value.pipeline_dims, "context_parallel": value.context_parallel}
     else:
         table = dict(_table(value, "distributed", source))
         _check_keys(table, _DISTRIBUTED_KEYS, "distributed.", source)
@@ -499,7 +507,11 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
         problem = _glob_problem(glob)
         if problem:
             raise _error(source, f"distributed.sharded_modules[{i}]", problem)
-    return DistributedConfig(groups["amax_group"], tuple(globs), groups["expert_amax_group"], mesh, tuple(pipeline))
+    cp = table.get("context_parallel")
+    if cp is not None and (not isinstance(cp, str) or not cp):
+        raise _error(source, "distributed.context_parallel", f"expected a mesh dim name, got {cp!r}")
+    return DistributedConfig(groups["amax_group"], tuple(globs), groups["expert_amax_group"], mesh, tuple(pipeline),
+                             cp)
 
 
 def config_from_dict(data: Mapping, source: str) -> TeConfig:

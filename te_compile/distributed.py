@@ -26,7 +26,8 @@ from .recipe import GEMM_ROLES
 
 __all__ = ["AmaxGroup", "NO_GROUPS", "resolve_amax_group", "mesh_dim_group", "minimal_groups", "merge_role_groups",
            "reduce_amaxes", "describe_groups", "describe_role_groups", "is_dtensor", "local_value",
-           "expert_shard_groups", "describe_placements", "mesh_dims_group", "graph_mesh", "all_reduce"]
+           "expert_shard_groups", "describe_placements", "mesh_dims_group", "graph_mesh", "all_reduce",
+           "resolve_context_parallel"]
 
 
 def is_dtensor(t) -> bool:
@@ -215,6 +216,27 @@ def resolve_amax_group(spec: Any, mesh: Any = None, pipeline_dims: Sequence[str]
         return _group(spec, f"group {spec.group_name}")
     raise ValueError(f"amax_group: expected 'auto', 'world', 'none', a list of mesh dim names, a ProcessGroup "
                      f"or a DeviceMesh, got {spec!r}")
+
+
+def resolve_context_parallel(name: Optional[str], mesh: Any = None, pipeline_dims: Sequence[str] = ("pp",)
+                             ) -> Optional[tuple[AmaxGroup, int]]:
+    """(the group of the context-parallel mesh dim ``name``, this rank's index along it), or None when
+    ``name`` is None or the dim holds one rank. Raises ValueError for a dim the mesh lacks, a pipeline
+    dim, or no known mesh."""
+    if name is None:
+        return None
+    if name in pipeline_dims:
+        raise ValueError(f"context_parallel: {name!r} is a pipeline dim (distributed.pipeline_dims)")
+    if mesh is None:
+        raise ValueError(f"context_parallel: names the mesh dim {name!r}, but no DeviceMesh is known: pass it "
+                         f"in the options (options={{'mesh': mesh}}), or the graph must read DTensors")
+    root = mesh._get_root_mesh()
+    known = root.mesh_dim_names or ()
+    if name not in known:
+        raise ValueError(f"context_parallel: the mesh has no dim {name!r}; its dims are {list(known)}")
+    dim = known.index(name)
+    group = mesh_dim_group(root, dim)
+    return None if group is None else (group, root.get_coordinate()[dim])
 
 
 def minimal_groups(groups) -> tuple[AmaxGroup, ...]:

@@ -678,7 +678,88 @@ def _cp_worker(rank: int) -> dict:
     ref.backward(do)
     return {"pos": pos, "o": (o.detach(), ref.detach()[:, :, pos]),
             "grads": [(x.grad, f.grad[:, :, pos]) for x, f in zip(local, full)], "gathered": gathered,
-            "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2}
+            "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2, "model": _cp_model_worker(rank)}
+
+
+class CpGPT(nn.Module):
+    """A one-block GPT that takes its tokens' global positions (context parallelism keeps them global)."""
+
+    def __init__(self, vocab: int = 64, d: int = 32, block: int = 32) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(block, d)
+        self.ln, self.qkv, self.proj = nn.LayerNorm(d), nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc, self.out = nn.Linear(d, 2 * d), nn.Linear(2 * d, d)
+        self.ln_f, self.head = nn.LayerNorm(d), nn.Linear(d, vocab, bias=False)
+
+    def forward(self, idx, positions):   # idx [B, t], positions [t]
+        x = self.tok(idx) + self.pos(positions)
+        b, t, d = x.shape
+        q, k, v = (z.view(b, t, 2, d // 2).transpose(1, 2) for z in self.qkv(self.ln(x)).split(d, dim=-1))
+        x = x + self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d))
+        x = x + self.out(F.gelu(self.fc(x)))
+        return self.head(self.ln_f(x))
+
+
+def _cp_model_worker(rank: int) -> dict:
+    """CpGPT trained 3 steps with the sequence split over 2 context-parallel ranks (gradients summed
+    over them by hand), against one process on the whole sequence; and the error for a site that
+    cannot run context-parallel."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from te_compile.lowerings.context_parallel_attention import load_balanced_positions
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    losses, sites = {}, {}
+    for mode in ("cp", "one"):
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = CpGPT()
+        options = {"recipe": "Float8CurrentScaling", "compiler": "aot_eager", "rewrite": {"sdpa": True}}
+        if mode == "cp":
+            options.update(distributed={"context_parallel": "cp"}, mesh=mesh)
+        compiled = torch.compile(model, backend="te", options=options)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        losses[mode] = []
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            idx, target = torch.randint(0, 64, (2, 32), generator=gen), torch.randint(0, 64, (2, 32), generator=gen)
+            pos = load_balanced_positions(32, rank, WORLD) if mode == "cp" else torch.arange(32)
+            logits = compiled(idx[:, pos], pos)
+            loss = F.cross_entropy(logits.flatten(0, 1), target[:, pos].flatten())
+            loss.backward()
+            total = loss.detach().clone()
+            if mode == "cp":   # equal token counts: the global mean is the mean of the ranks' means
+                for p in model.parameters():
+                    dist.all_reduce(p.grad)
+                    p.grad /= WORLD
+                dist.all_reduce(total)
+                total /= WORLD
+            opt.step()
+            opt.zero_grad()
+            losses[mode].append(total.item())
+        sites[mode] = [(r.rewritten, r.reason, r.collectives) for r in te_compile.report().sites if r.op == "sdpa"]
+    torch._dynamo.reset()
+
+    def masked(x, mask):
+        return F.scaled_dot_product_attention(x, x, x, attn_mask=mask)
+
+    try:
+        torch.compile(masked, backend="te", options={"recipe": "Float8CurrentScaling", "compiler": "aot_eager",
+                                                     "distributed": {"context_parallel": "cp"}, "mesh": mesh})(
+            torch.randn(1, 2, 8, 16), torch.ones(8, 8, dtype=torch.bool))
+        error = ""
+    except Exception as e:   # Dynamo wraps the backend's ConfigError
+        error = str(e)
+    torch._dynamo.reset()
+    try:
+        torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x, is_causal=True), backend="te", options={
+            "recipe": "Float8CurrentScaling", "compiler": "aot_eager", "distributed": {"context_parallel": "sp"},
+            "mesh": mesh})(torch.randn(1, 2, 8, 16))
+        unknown = ""
+    except Exception as e:
+        unknown = str(e)
+    return {"losses": losses, "sites": sites, "error": error, "unknown_dim": unknown}
 
 
 @pytest.fixture(scope="module")
@@ -696,6 +777,21 @@ def test_context_parallel_fp8_attention_matches_one_process(cp_results):
         assert sqnr(ref, o) >= 40, sqnr(ref, o)
         for (g, g_ref), name in zip(r["grads"], "qkv"):
             assert sqnr(g_ref, g) >= 40, (name, sqnr(g_ref, g))
+
+
+def test_context_parallel_trains_a_gpt_as_one_process_does(cp_results):
+    for r in cp_results:
+        m = r["model"]
+        cp, one = m["losses"]["cp"], m["losses"]["one"]
+        # the attention's bytes are one process's; the linears scale each rank's activations alone
+        assert cp == pytest.approx(one, rel=2e-3), (cp, one)
+        [(rewritten, reason, collectives)] = m["sites"]["cp"]
+        assert rewritten and reason.startswith("context parallel over cp (2 ranks)"), reason
+        assert "all-gather over cp (2 ranks): K, V in FP8" in collectives
+        assert "distributed.context_parallel = 'cp', but the SDPA call in <root> cannot run context-parallel: " \
+               "an attn_mask" in m["error"], m["error"]
+        assert "distributed.context_parallel: the mesh has no dim 'sp'; its dims are ['cp']" in m["unknown_dim"], \
+            m["unknown_dim"]
 
 
 def test_context_parallel_exchanges_k_and_v_in_fp8(cp_results):
@@ -829,7 +925,9 @@ def test_distributed_config_from_toml_tables():
     ({"distributed": {"pipeline_dims": "pp"}}, "distributed.pipeline_dims", "an array of mesh dim names"),
     ({"distributed": {"mesh": "dp"}}, "distributed.mesh", "expected a DeviceMesh"),
     ({"distributed": {"group": "world"}}, "distributed.group",
-     "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules', 'mesh', 'pipeline_dims']"),
+     "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules', 'mesh', 'pipeline_dims', "
+     "'context_parallel']"),
+    ({"distributed": {"context_parallel": 2}}, "distributed.context_parallel", "expected a mesh dim name, got 2"),
     ({"distributed": {"sharded_modules": "up"}}, "distributed.sharded_modules", "array of module globs"),
     ({"distributed": {"sharded_modules": ["up["]}}, "distributed.sharded_modules[0]", "without a closing"),
     ({"amax_group": 3}, "amax_group", "a ProcessGroup or a DeviceMesh, got 3 (int)"),

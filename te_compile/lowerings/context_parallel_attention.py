@@ -20,18 +20,22 @@ blocks' compute is the long-sequence GPU refinement (not built).
 AmaxGroup (te_compile.distributed) of the context-parallel ranks. Per-(batch, head) current scaling
 and the high-precision backward (``fp8_dpa_backward = "high_precision"``): the "fp8" backward scales
 dO per (batch, head) from its rows, which would need the same all-reduce as Q, K, V first (not built).
-The pass does not route SDPA sites here yet.
+``[distributed] context_parallel`` routes every SDPA site of a graph here (passes/attention.py).
 """
 
 from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
 
 import torch
 
 from ..distributed import AmaxGroup, all_reduce
 from ..kernels.fp8_attention import E4M3, dequantize_heads, fp8_attention_backward, fp8_attention_forward
 from ..scaling import cast_to_fp8, compute_scale
+from .linear import autocast_dtype
 
-__all__ = ["ContextParallelAttention", "load_balanced_positions"]
+__all__ = ["ContextParallelAttention", "ContextParallelLowering", "ContextParallelSpec", "load_balanced_positions"]
 
 
 def load_balanced_positions(seq_len: int, rank: int, ranks: int) -> torch.Tensor:
@@ -95,3 +99,38 @@ class ContextParallelAttention(torch.autograd.Function):
         dv = _reduce_scatter_seq(dv_all, ctx.group)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
         return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
+
+
+@dataclass(frozen=True)
+class ContextParallelSpec:
+    """An SDPA site under ``[distributed] context_parallel``: what its lowering needs besides tensors."""
+
+    fqn: str
+    sm_scale: float
+    causal: bool
+    group: AmaxGroup    # the context-parallel mesh dim's ranks
+    rank: int           # this rank's index along it
+
+
+class ContextParallelLowering:
+    """Callable inserted into the FX graph for an SDPA site under context parallelism: ``(q, k, v) -> o``
+    with q [B, H, t, D] and k, v [B, Hkv, t, D] this rank's load-balanced rows of a sequence of
+    t * R tokens. Under autocast q, k, v are cast to autocast's dtype first, as SDPA would run."""
+
+    def __init__(self, spec: ContextParallelSpec) -> None:
+        self.spec = spec
+        self.__name__ = "te_fp8_attention_context_parallel"
+        self.__qualname__ = self.__name__
+        self.__module__ = __name__
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        spec = self.spec
+        dtype = autocast_dtype(q)
+        if dtype is not None:
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
+        positions = load_balanced_positions(q.shape[-2] * spec.group.size, spec.rank, spec.group.size).to(q.device)
+        with torch.autocast(q.device.type, enabled=False) if dtype is not None else contextlib.nullcontext():
+            return ContextParallelAttention.apply(q, k, v, positions, spec.group, spec.causal, spec.sm_scale)
+
+    def __repr__(self) -> str:
+        return f"ContextParallelLowering({self.spec.fqn!r}, {self.spec.group})"

@@ -14,7 +14,7 @@ import torch
 import torch.fx as fx
 
 from ..config import ConfigError, TeConfig
-from ..distributed import graph_mesh, resolve_amax_group
+from ..distributed import graph_mesh, resolve_amax_group, resolve_context_parallel
 from ..report import SiteRecord
 from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
@@ -82,12 +82,16 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     amax_group = resolve("amax_group")
     same = isinstance(setting.expert_amax_group, str) and setting.expert_amax_group == "same"
     expert_group = amax_group if same else resolve("expert_amax_group")
+    try:
+        context_parallel = resolve_context_parallel(setting.context_parallel, mesh, setting.pipeline_dims)
+    except ValueError as e:
+        raise ConfigError(f"{config.source}: distributed.{e}") from None
     scopes = graph_scopes(gm, example_inputs)
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
     ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group,
-                      inference=inference)
+                      inference=inference, context_parallel=context_parallel)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

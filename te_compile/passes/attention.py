@@ -29,8 +29,10 @@ from typing import Any, Optional
 import torch
 import torch.fx as fx
 
+from ..config import ConfigError
 from ..distributed import is_dtensor
 from ..lowerings.attention import AttentionLowering, AttentionSpec
+from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
 from ..state import attention_key_param
 from .graphs import GraphScope, ParamRef, module_fqn
 from .matching import shape_text, value_of
@@ -138,6 +140,36 @@ def _delayed_inputs(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str
                                         _amax_groups(ctx, recipe))
 
 
+def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args: dict, recipe,
+                      record) -> None:
+    """Route an SDPA call to te's context-parallel FP8 attention, or raise: left as SDPA, it would attend
+    to this rank's slice of the keys only."""
+    group, rank = ctx.context_parallel
+    why = _ineligibility(args)
+    if why is None and args["attn_mask"] is not None:
+        why = "an attn_mask (is_causal=True and no mask are supported)"
+    if why is None and (recipe is None or not recipe.float8_current_scaling()):
+        why = f"recipe {recipe.name if recipe is not None else 'none'} (Float8CurrentScaling is supported)"
+    if why is None and recipe.fp8_dpa_backward == "fp8":
+        why = 'fp8_dpa_backward = "fp8" (the high-precision backward is supported)'
+    if why is not None:
+        raise ConfigError(f"{ctx.config.source}: distributed.context_parallel = "
+                          f"{ctx.config.distributed.context_parallel!r}, but the SDPA call in {fqn or '<root>'} "
+                          f"cannot run context-parallel: {why}; as SDPA it would attend to this rank's keys only")
+    d = value_of(args["query"]).shape[-1]
+    scale = args["scale"]
+    spec = ContextParallelSpec(fqn, float(scale) if scale is not None else 1.0 / math.sqrt(d),
+                               bool(args["is_causal"]), group, rank)
+    record(True, f"context parallel over {group}: FP8 forward, high-precision backward; Q, K, V current-scaled per "
+                 f"(batch, head) over the whole sequence", recipe.name,
+           f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): Q, K, V, O")
+    with scope.graph.inserting_before(node):
+        new = scope.graph.call_function(ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    scope.graph.erase_node(node)
+
+
 def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
     """Rewrite the eligible SDPA calls of ``scope``; one report row per call."""
     config = ctx.config
@@ -149,6 +181,10 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
         args = _args(node)
         recipe, why = config.recipe_for(fqn)
         record = ctx.recorder(scope, node, fqn, "sdpa", _shapes(args))
+        if ctx.context_parallel is not None:   # every site, or the call would see this rank's keys only
+            _context_parallel(ctx, scope, node, fqn, args, recipe, record)
+            count += 1
+            continue
         if (alone := ctx.left_alone(scope, recipe, why)) is not None:
             record(False, alone)
             continue

@@ -30,6 +30,8 @@ class PassContext:
     # compiled with grad disabled: the linears read cached FP8 weights (inference_weights.py)
     inference: bool = False
     cached_weights: dict = field(default_factory=dict)   # (weight input index, recipe) -> placeholder
+    # [distributed] context_parallel, resolved: (the dim's group, this rank's index along it), or None
+    context_parallel: Optional[tuple] = None
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
