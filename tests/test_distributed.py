@@ -659,26 +659,31 @@ def _cp_worker(rank: int) -> dict:
         gathered.append((str(x.dtype), x.numel() * x.element_size()))
         return real(x, g)
 
-    cpa._gather_seq = counting
-    try:
-        gen = torch.Generator().manual_seed(0)
-        b, h, hkv, t, d = 2, 4, 2, 32, 16
-        q = torch.randn(b, h, t, d, generator=gen)
-        k, v = (torch.randn(b, hkv, t, d, generator=gen) for _ in range(2))
-        do = torch.randn(b, h, t, d, generator=gen)
-        pos = cpa.load_balanced_positions(t, rank, WORLD)
-        local = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
-        o = cpa.ContextParallelAttention.apply(*local, pos, group, True, d ** -0.5)
-        o.backward(do[:, :, pos])
-    finally:
-        cpa._gather_seq = real
-    full = [x.clone().requires_grad_() for x in (q, k, v)]
-    spec = AttentionSpec("attn", Float8CurrentScaling(), d ** -0.5, True)
-    ref = Fp8AttentionFunction.apply(*full, None, spec, None, None, None, None, None)
-    ref.backward(do)
-    return {"pos": pos, "o": (o.detach(), ref.detach()[:, :, pos]),
-            "grads": [(x.grad, f.grad[:, :, pos]) for x, f in zip(local, full)], "gathered": gathered,
-            "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2, "model": _cp_model_worker(rank)}
+    gen = torch.Generator().manual_seed(0)
+    b, h, hkv, t, d = 2, 4, 2, 32, 16
+    q = torch.randn(b, h, t, d, generator=gen)
+    k, v = (torch.randn(b, hkv, t, d, generator=gen) for _ in range(2))
+    do = torch.randn(b, h, t, d, generator=gen)
+    pos = cpa.load_balanced_positions(t, rank, WORLD)
+    out = {"pos": pos, "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2, "model": _cp_model_worker(rank)}
+    for fp8_backward in (False, True):
+        cpa._gather_seq = counting
+        try:
+            local = [x[:, :, pos].clone().requires_grad_() for x in (q, k, v)]
+            o = cpa.ContextParallelAttention.apply(*local, pos, group, True, d ** -0.5,
+                                                   torch.float8_e5m2 if fp8_backward else None)
+            o.backward(do[:, :, pos])
+        finally:
+            cpa._gather_seq = real
+        full = [x.clone().requires_grad_() for x in (q, k, v)]
+        spec = AttentionSpec("attn", Float8CurrentScaling(), d ** -0.5, True, fp8_backward)
+        ref = Fp8AttentionFunction.apply(*full, None, spec, None, None, None, None, None)
+        ref.backward(do)
+        out[fp8_backward] = {"o": (o.detach(), ref.detach()[:, :, pos]),
+                             "grads": [(x.grad, f.grad[:, :, pos]) for x, f in zip(local, full)],
+                             "gathered": list(gathered)}
+        gathered.clear()
+    return out
 
 
 class CpGPT(nn.Module):
@@ -767,12 +772,14 @@ def cp_results(world):
     return [r["cp"] for r in world]
 
 
-def test_context_parallel_fp8_attention_matches_one_process(cp_results):
-    """Every rank scales Q, K, V (and O) with the whole sequence's per-head amax, so its FP8 bytes are
-    one process's: the local output and gradients equal the unsharded FP8 attention's to fp32 rounding."""
+@pytest.mark.parametrize("fp8_backward", [False, True], ids=["high_precision", "fp8"])
+def test_context_parallel_fp8_attention_matches_one_process(cp_results, fp8_backward):
+    """Every rank scales Q, K, V (and O; dO in the "fp8" backward) with the whole sequence's per-head
+    amax, so its FP8 bytes are one process's: the local output and gradients equal the unsharded FP8
+    attention's to fp32 rounding."""
     covered = torch.cat([r["pos"] for r in cp_results]).sort().values
     assert torch.equal(covered, torch.arange(32))
-    for r in cp_results:
+    for r in (r[fp8_backward] for r in cp_results):
         o, ref = r["o"]
         assert sqnr(ref, o) >= 40, sqnr(ref, o)
         for (g, g_ref), name in zip(r["grads"], "qkv"):
@@ -796,8 +803,9 @@ def test_context_parallel_trains_a_gpt_as_one_process_does(cp_results):
 
 def test_context_parallel_exchanges_k_and_v_in_fp8(cp_results):
     for r in cp_results:
-        kv = [(dtype, n) for dtype, n in r["gathered"] if dtype == "torch.uint8"]
-        assert len(kv) == 2 and all(dtype != "torch.bfloat16" for dtype, _ in r["gathered"]), r["gathered"]
+        gathered = r[False]["gathered"]
+        kv = [(dtype, n) for dtype, n in gathered if dtype == "torch.uint8"]
+        assert len(kv) == 2 and all(dtype != "torch.bfloat16" for dtype, _ in gathered), gathered
         assert sum(n for _, n in kv) / r["kv_bf16_bytes"] == 0.5   # K and V bytes against bf16's
 
 

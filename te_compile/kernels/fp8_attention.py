@@ -162,11 +162,17 @@ def _per_kv_head(x: Tensor, group: int) -> Tensor:
 
 
 def _fp8_grad_scales(do32: Tensor, v8: Tensor, v_descale: Tensor, group: int,
-                     grad_dtype: torch.dtype, do_scale: Optional[Tensor] = None
-                     ) -> tuple[Tensor, Tensor, Tensor]:
+                     grad_dtype: torch.dtype, do_scale: Optional[Tensor] = None,
+                     grad_scales: Optional[tuple[Tensor, Tensor]] = None) -> tuple[Tensor, Tensor, Tensor]:
     """The "fp8" backward's scales: (dO in ``grad_dtype`` [B, H, Tq, D], its descale [B, H], dS's scale
     [B, H] from the module docstring's bound 2 * max_i |dO_i| * max_j |V_j|). ``do_scale``: dO's
-    delayed-scaling scale (fp32 [1]), else dO is current-scaled per (batch, head)."""
+    delayed-scaling scale (fp32 [1]), else dO is current-scaled per (batch, head). ``grad_scales``:
+    (dO's scale [B, H], dS's scale [B, H]) worked out by the caller (context parallelism: from the
+    whole sequence's dO), used as they are."""
+    if grad_scales is not None:
+        scale, ds_scale = grad_scales
+        return (cast_to_fp8(do32, scale[..., None, None], grad_dtype), torch.div(torch.ones_like(scale), scale),
+                ds_scale)
     do8, do_descale = quantize_heads(do32, grad_dtype, do_scale)
     v_rows = dequantize_heads(v8, v_descale).norm(dim=-1).amax(dim=-1).repeat_interleave(group, dim=1)
     bound = 2 * do32.norm(dim=-1).amax(dim=-1) * v_rows
@@ -177,7 +183,7 @@ def fp8_attention_backward_reference(
     do: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
     o: Tensor, lse: Tensor, *, sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None,
     fp8_grads: bool = False, grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
-    return_ds: bool = False,
+    return_ds: bool = False, grad_scales: Optional[tuple[Tensor, Tensor]] = None,
 ) -> tuple[Tensor, ...]:
     """(dq [B, H, Tq, D], dk, dv [B, Hkv, Tk, D]) in fp32, from dO [B, H, Tq, D], the forward's FP8
     operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
@@ -207,7 +213,7 @@ def fp8_attention_backward_reference(
         dq = (ds @ k) * sm_scale
         dk = (ds.transpose(-2, -1) @ q) * sm_scale
         return (dq, _per_kv_head(dk, group), _per_kv_head(dv, group), *((ds,) if return_ds else ()))
-    do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype, do_scale)
+    do8, do_descale, ds_scale = _fp8_grad_scales(do32, v8, v_descale, group, grad_dtype, do_scale, grad_scales)
     do_q = do8.to(torch.float32)
     p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q8.device), E4M3).to(torch.float32)
     dv = (p8.transpose(-2, -1) @ do_q) * (do_descale / P_SCALE)[..., None, None]
@@ -531,6 +537,7 @@ def fp8_attention_backward_triton(
     do: Tensor, q8: Tensor, k8: Tensor, v8: Tensor, q_descale: Tensor, k_descale: Tensor, v_descale: Tensor,
     o: Tensor, lse: Tensor, *, sm_scale: float, causal: bool = False, mask: Optional[Tensor] = None,
     fp8_grads: bool = False, grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
+    grad_scales: Optional[tuple[Tensor, Tensor]] = None,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Triton launcher with the reference's signature; CPU tensors work under TRITON_INTERPRET=1."""
     require_triton("fp8_attention_backward_triton")
@@ -547,7 +554,7 @@ def fp8_attention_backward_triton(
     delta = (do.to(torch.float32) * o.to(torch.float32)).sum(dim=-1).contiguous()
     if fp8_grads:
         do8, do_descale, ds_scale = _fp8_grad_scales(do.to(torch.float32), v8, v_descale, group, grad_dtype,
-                                                     do_scale)
+                                                     do_scale, grad_scales)
     else:
         do8, do_descale = do, torch.ones((b, h), device=do.device)
         ds_scale = torch.ones((b, h), device=do.device)
@@ -575,9 +582,10 @@ def fp8_attention_backward_triton(
 
 def fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, *, sm_scale: float,
                            causal: bool = False, mask: Optional[Tensor] = None, fp8_grads: bool = False,
-                           grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None):
+                           grad_dtype: torch.dtype = torch.float8_e5m2, do_scale: Optional[Tensor] = None,
+                           grad_scales: Optional[tuple[Tensor, Tensor]] = None):
     """(dq, dk, dv) as ``fp8_attention_backward_reference`` computes them: the Triton kernels on sm89+
     GPUs, the reference elsewhere."""
     impl = fp8_attention_backward_triton if _use_kernels(q8) else fp8_attention_backward_reference
     return impl(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal,
-                mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype, do_scale=do_scale)
+                mask=mask, fp8_grads=fp8_grads, grad_dtype=grad_dtype, do_scale=do_scale, grad_scales=grad_scales)

@@ -16,10 +16,11 @@ ranks that hold those keys. One all-gather forward and one reduce-scatter backwa
 simplest exchange to schedule, at T/R x T scores per rank; a ring that overlaps the exchange with the
 blocks' compute is the long-sequence GPU refinement (not built).
 
-``ContextParallelAttention.apply(q, k, v, positions, group, causal, sm_scale)`` with ``group`` an
-AmaxGroup (te_compile.distributed) of the context-parallel ranks. Per-(batch, head) current scaling
-and the high-precision backward (``fp8_dpa_backward = "high_precision"``): the "fp8" backward scales
-dO per (batch, head) from its rows, which would need the same all-reduce as Q, K, V first (not built).
+``ContextParallelAttention.apply(q, k, v, positions, group, causal, sm_scale, grad_dtype=None)`` with
+``group`` an AmaxGroup (te_compile.distributed) of the context-parallel ranks. Per-(batch, head)
+current scaling, either backward: ``grad_dtype`` (the recipe's gradient format) selects the "fp8" one, whose dO scale
+and dS bound per (batch, head) come from the whole sequence's dO (one more MAX all-reduce), so its
+bytes too are one process's.
 ``[distributed] context_parallel`` routes every SDPA site of a graph here (passes/attention.py).
 """
 
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -66,7 +68,8 @@ class ContextParallelAttention(torch.autograd.Function):
     """q [B, H, t, D], k and v [B, Hkv, t, D]: this rank's rows at ``positions`` [t] -> o [B, H, t, D]."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, group: AmaxGroup, causal: bool, sm_scale: float):
+    def forward(ctx, q, k, v, positions, group: AmaxGroup, causal: bool, sm_scale: float,
+                grad_dtype: Optional[torch.dtype] = None):
         amaxes = [t.detach().abs().amax(dim=(-2, -1)).to(torch.float32) for t in (q, k, v)]   # [B, H(kv)]
         flat = all_reduce(torch.cat([a.reshape(-1) for a in amaxes]), "max", group)   # one collective
         scales = [part.reshape(a.shape) for part, a in zip(flat.split([a.numel() for a in amaxes]), amaxes)]
@@ -85,20 +88,29 @@ class ContextParallelAttention(torch.autograd.Function):
         o8, o_descale = cast_to_fp8(o, o_scale[..., None, None], E4M3), torch.div(torch.ones_like(o_scale), o_scale)
         ctx.save_for_backward(q8, k8_all, v8_all, *descales, o8, o_descale, lse,
                               *((mask,) if mask is not None else ()))
-        ctx.group, ctx.sm_scale = group, sm_scale
+        ctx.group, ctx.sm_scale, ctx.grad_dtype = group, sm_scale, grad_dtype
         ctx.dtypes = (q.dtype, k.dtype, v.dtype)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q8, k8_all, v8_all, qd, kd, vd, o8, o_descale, lse, *mask = ctx.saved_tensors
+        grad_scales = None
+        if ctx.grad_dtype is not None:   # the "fp8" backward: dO's scales from the whole sequence's dO
+            do32 = do.to(torch.float32)
+            stats = all_reduce(torch.stack([do32.abs().amax(dim=(-2, -1)), do32.norm(dim=-1).amax(dim=-1)]),
+                               "max", ctx.group)                                   # [2, B, H]
+            group_size = q8.shape[1] // k8_all.shape[1]
+            v_rows = dequantize_heads(v8_all, vd).norm(dim=-1).amax(dim=-1).repeat_interleave(group_size, dim=1)
+            grad_scales = (compute_scale(stats[0], ctx.grad_dtype), compute_scale(2 * stats[1] * v_rows, ctx.grad_dtype))
         dq, dk_all, dv_all = fp8_attention_backward(
             do.contiguous(), q8, k8_all, v8_all, qd, kd, vd, dequantize_heads(o8, o_descale), lse,
-            sm_scale=ctx.sm_scale, mask=mask[0] if mask else None)
+            sm_scale=ctx.sm_scale, mask=mask[0] if mask else None, fp8_grads=grad_scales is not None,
+            grad_dtype=ctx.grad_dtype or torch.float8_e5m2, grad_scales=grad_scales)
         dk = _reduce_scatter_seq(dk_all, ctx.group)
         dv = _reduce_scatter_seq(dv_all, ctx.group)
         q_dtype, k_dtype, v_dtype = ctx.dtypes
-        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None
+        return dq.to(q_dtype), dk.to(k_dtype), dv.to(v_dtype), None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -108,6 +120,7 @@ class ContextParallelSpec:
     fqn: str
     sm_scale: float
     causal: bool
+    grad_dtype: Optional[torch.dtype]   # the "fp8" backward's gradient format; None: high precision
     group: AmaxGroup    # the context-parallel mesh dim's ranks
     rank: int           # this rank's index along it
 
@@ -130,7 +143,8 @@ class ContextParallelLowering:
             q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         positions = load_balanced_positions(q.shape[-2] * spec.group.size, spec.rank, spec.group.size).to(q.device)
         with torch.autocast(q.device.type, enabled=False) if dtype is not None else contextlib.nullcontext():
-            return ContextParallelAttention.apply(q, k, v, positions, spec.group, spec.causal, spec.sm_scale)
+            return ContextParallelAttention.apply(q, k, v, positions, spec.group, spec.causal, spec.sm_scale,
+                                                  spec.grad_dtype)
 
     def __repr__(self) -> str:
         return f"ContextParallelLowering({self.spec.fqn!r}, {self.spec.group})"

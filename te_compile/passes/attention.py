@@ -31,7 +31,7 @@ import torch.fx as fx
 
 from ..config import ConfigError
 from ..distributed import is_dtensor
-from ..lowerings.attention import AttentionLowering, AttentionSpec
+from ..lowerings.attention import AttentionLowering, AttentionSpec, attention_grad_dtype
 from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
 from ..state import attention_key_param
 from .graphs import GraphScope, ParamRef, module_fqn
@@ -150,18 +150,19 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
         why = "an attn_mask (is_causal=True and no mask are supported)"
     if why is None and (recipe is None or not recipe.float8_current_scaling()):
         why = f"recipe {recipe.name if recipe is not None else 'none'} (Float8CurrentScaling is supported)"
-    if why is None and recipe.fp8_dpa_backward == "fp8":
-        why = 'fp8_dpa_backward = "fp8" (the high-precision backward is supported)'
     if why is not None:
         raise ConfigError(f"{ctx.config.source}: distributed.context_parallel = "
                           f"{ctx.config.distributed.context_parallel!r}, but the SDPA call in {fqn or '<root>'} "
                           f"cannot run context-parallel: {why}; as SDPA it would attend to this rank's keys only")
     d = value_of(args["query"]).shape[-1]
     scale = args["scale"]
+    fp8_backward = recipe.fp8_dpa_backward == "fp8"
     spec = ContextParallelSpec(fqn, float(scale) if scale is not None else 1.0 / math.sqrt(d),
-                               bool(args["is_causal"]), group, rank)
-    record(True, f"context parallel over {group}: FP8 forward, high-precision backward; Q, K, V current-scaled per "
-                 f"(batch, head) over the whole sequence", recipe.name,
+                               bool(args["is_causal"]), attention_grad_dtype(recipe) if fp8_backward else None,
+                               group, rank)
+    mode = "FP8 forward and backward" if fp8_backward else "FP8 forward, high-precision backward"
+    record(True, f"context parallel over {group}: {mode}; Q, K, V{', dO' if fp8_backward else ''} current-scaled "
+                 f"per (batch, head) over the whole sequence", recipe.name,
            f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): Q, K, V, O")
     with scope.graph.inserting_before(node):
         new = scope.graph.call_function(ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
