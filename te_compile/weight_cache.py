@@ -90,5 +90,6 @@ def cached_bytes(weights) -> int:
     total = 0
     for w in weights:
         for entry in (_CACHE[w].values() if w in _CACHE else ()):
-            total += entry.tensor._data.numel() * entry.tensor._data.element_size() + entry.tensor._scale_inv.numel() * 4
+            data, scale_inv = entry.tensor._data, entry.tensor._scale_inv
+            total += data.numel() * data.element_size() + scale_inv.numel() * scale_inv.element_size()
     return total

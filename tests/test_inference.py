@@ -144,7 +144,8 @@ def test_inference_scaling_current_runs_delayed_scaling_sites_as_current_scaling
     torch.manual_seed(0)
     model, x = NormMLP(), torch.randn(4, 32)
     outs = []
-    for options in ({"recipe": "DelayedScaling", "inference": {"scaling": "current"}}, {"recipe": "Float8CurrentScaling"}):
+    for options in ({"recipe": "DelayedScaling", "inference": {"scaling": "current"}},
+                    {"recipe": "Float8CurrentScaling"}):
         compiled = _compiled(model, options.pop("recipe"), **options)
         with torch.no_grad():
             outs.append(compiled(x))

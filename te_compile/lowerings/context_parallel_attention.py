@@ -84,7 +84,8 @@ class ContextParallelAttention(torch.autograd.Function):
         o, lse = fp8_attention_forward(q8, k8_all, v8_all, *descales, sm_scale=sm_scale, mask=mask,
                                        out_dtype=q.dtype)
         # saved in FP8 as the one-process op saves it, with the whole sequence's per-head scale
-        o_scale = compute_scale(all_reduce(o.detach().abs().amax(dim=(-2, -1)).to(torch.float32), "max", group), E4M3)
+        o_amax = all_reduce(o.detach().abs().amax(dim=(-2, -1)).to(torch.float32), "max", group)
+        o_scale = compute_scale(o_amax, E4M3)
         o8, o_descale = cast_to_fp8(o, o_scale[..., None, None], E4M3), torch.div(torch.ones_like(o_scale), o_scale)
         ctx.save_for_backward(q8, k8_all, v8_all, *descales, o8, o_descale, lse,
                               *((mask,) if mask is not None else ()))
@@ -102,7 +103,8 @@ class ContextParallelAttention(torch.autograd.Function):
                                "max", ctx.group)                                   # [2, B, H]
             group_size = q8.shape[1] // k8_all.shape[1]
             v_rows = dequantize_heads(v8_all, vd).norm(dim=-1).amax(dim=-1).repeat_interleave(group_size, dim=1)
-            grad_scales = (compute_scale(stats[0], ctx.grad_dtype), compute_scale(2 * stats[1] * v_rows, ctx.grad_dtype))
+            grad_scales = (compute_scale(stats[0], ctx.grad_dtype),
+                           compute_scale(2 * stats[1] * v_rows, ctx.grad_dtype))
         dq, dk_all, dv_all = fp8_attention_backward(
             do.contiguous(), q8, k8_all, v8_all, qd, kd, vd, dequantize_heads(o8, o_descale), lse,
             sm_scale=ctx.sm_scale, mask=mask[0] if mask else None, fp8_grads=grad_scales is not None,
