@@ -23,20 +23,10 @@ import torch.nn as nn
 
 from .config import TeConfig, config_argument
 from .quantization import weight_ineligibility
-from .scaling import delayed_scale_from_history, update_amax_history
+from .scaling import update_role_state
 from .state import state_for
 
 __all__ = ["calibrate"]
-
-
-def _push(role_state, amax: torch.Tensor, role: str, recipe) -> None:
-    """One history entry, then the scale the history gives (as the graphs' update computes it)."""
-    history = update_amax_history(role_state.amax_history, amax.reshape(1))
-    role_state.amax_history.copy_(history)
-    role_state.scale.copy_(delayed_scale_from_history(
-        history, role_state.scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
-        amax_compute_algo=recipe.amax_compute_algo, scaling_factor_compute_algo=recipe.scaling_factor_compute_algo,
-        recipe=recipe))
 
 
 @contextlib.contextmanager
@@ -58,8 +48,10 @@ def calibrate(model: nn.Module, config: Union[str, os.PathLike, TeConfig, None] 
             if not isinstance(x, torch.Tensor):
                 return
             with torch.no_grad():
-                _push(state.roles["input"], x.detach().abs().amax().float(), "input", recipe)
-                _push(state.roles["weight"], module.weight.detach().abs().amax().float(), "weight", recipe)
+                for role, t in (("input", x), ("weight", module.weight)):
+                    # one history entry, then the scale the history gives (as the graphs' update does)
+                    update_role_state(state.roles[role].amax_history, state.roles[role].scale,
+                                      t.detach().abs().amax().float().reshape(1), role, recipe)
             calls[fqn] += 1
         return record
 

@@ -24,6 +24,7 @@ __all__ = [
     "cast_to_fp8",
     "update_amax_history",
     "delayed_scale_from_history",
+    "update_role_state",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -173,3 +174,23 @@ def delayed_scale_from_history(
         return scaling_factor_compute_algo(amax, prev_scale, fp8_max(fp8_dtype), recipe).reshape(prev_scale.shape)
     return torch.where(_valid_amax(amax), _scale_from_amax(amax, fp8_max(fp8_dtype), margin),
                        prev_scale.to(torch.float32))
+
+
+def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str, recipe) -> None:
+    """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place
+    (or per expert: amax [E], history [E, L], scale [E]). ``role``: a state role (recipe.GEMM_ROLES or
+    ATTENTION_ROLES), which picks the FP8 format; ``recipe``: a DelayedScaling.
+
+    A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
+    so the history stays finite and scaling follows the data again from the next finite step.
+    """
+    finite = torch.isfinite(amax)
+    new_history = update_amax_history(history, torch.where(finite, amax, torch.zeros_like(amax)))
+    new_scale = delayed_scale_from_history(
+        new_history, scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
+        amax_compute_algo=recipe.amax_compute_algo,
+        scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe,
+    )
+    new_scale = torch.where(finite, new_scale, scale)
+    history.copy_(new_history)
+    scale.copy_(new_scale)

@@ -10,7 +10,7 @@ computes the next scale: per row r (a role of a weight or an SDPA site)
                  finite, or if amax[r] was not finite                  fp32 [1], in place
 
 where limit is the row's FP8 maximum (448 for E4M3, 57344 for E5M2) and divisor 2**margin. These are
-the bits of ``delayed_update.update_role_state`` row by row (tests/test_kernel_delayed_update.py).
+the bits of ``te_compile.scaling.update_role_state`` row by row (tests/test_kernel_delayed_update.py).
 Traced row by row, the update is a few kernels per role: three roles per linear, ~50 tiny kernels for
 a 4-layer GPT, which inductor must generate and compile (compile time) and a GPU must launch.
 

@@ -37,30 +37,10 @@ import torch
 from ..distributed import AmaxGroup, reduce_amaxes
 from ..recipe import DelayedScaling
 from ..kernels.delayed_update import delayed_scaling_update_op
-from ..scaling import delayed_scale_from_history, fp8_max, update_amax_history
+from ..scaling import fp8_max, update_role_state
 from ..recipe import GEMM_ROLES
 
 __all__ = ["DelayedScalingUpdate", "UpdateSpec", "update_role_state", "amax_sink", "advance_delayed_state"]
-
-def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, role: str,
-                      recipe: DelayedScaling) -> None:
-    """Push one step's ``amax`` ([1]) into ``history`` ([L]) and compute the next ``scale`` ([1]), in place
-    (or per expert: amax [E], history [E, L], scale [E]). ``role``: a state role (recipe.GEMM_ROLES or ATTENTION_ROLES), which picks the FP8 format.
-
-    A non-finite amax (NaN or inf in the data) keeps the previous scale and enters the history as 0,
-    so the history stays finite and scaling follows the data again from the next finite step.
-    """
-    finite = torch.isfinite(amax)
-    new_history = update_amax_history(history, torch.where(finite, amax, torch.zeros_like(amax)))
-    new_scale = delayed_scale_from_history(
-        new_history, scale, recipe.fp8_format.dtype_for(role), margin=recipe.margin,
-        amax_compute_algo=recipe.amax_compute_algo,
-        scaling_factor_compute_algo=recipe.scaling_factor_compute_algo, recipe=recipe,
-    )
-    new_scale = torch.where(finite, new_scale, scale)
-    history.copy_(new_history)
-    scale.copy_(new_scale)
-
 
 @dataclass(frozen=True)
 class UpdateSpec:
