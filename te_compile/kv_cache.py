@@ -23,7 +23,7 @@ import functools
 
 import torch
 
-from .scaling import cast_to_fp8, fp8_max
+from .scaling import cast_to_fp8, compute_scale
 
 __all__ = ["fp8_static_cache", "kv_cache_bytes"]
 
@@ -32,9 +32,8 @@ _FP8 = torch.float8_e4m3fn
 
 def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(E4M3 bytes as uint8 [..., D], scale_inv fp32 [..., 1]) of ``x``, each vector along the last dim
-    scaled from its own amax (an all-zero vector gets scale 1)."""
-    amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-    scale = torch.where(amax > 0, fp8_max(_FP8) / amax, torch.ones_like(amax))
+    scaled from its own amax by current scaling's rule (an all-zero vector gets scale 1)."""
+    scale = compute_scale(x.abs().amax(dim=-1, keepdim=True).to(torch.float32), _FP8)
     return cast_to_fp8(x, scale, _FP8).view(torch.uint8), torch.div(torch.ones_like(scale), scale)
 
 
