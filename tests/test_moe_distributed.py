@@ -212,14 +212,15 @@ def _ep_reference(options) -> tuple[list[float], dict]:
     return losses, te_compile.recipe_state_dict(model)
 
 
-def _train_expert_parallel(model: nn.Module, rank: int) -> list:
-    """STEPS AdamW steps of an expert-parallel model on this rank's batches, the parameters outside
-    the experts data parallel (their gradients summed by hand); the global loss of each step."""
+def _train_expert_parallel(model: nn.Module, rank: int, world: int = WORLD, steps: int = STEPS) -> list:
+    """``steps`` AdamW steps of an expert-parallel model on this rank's batches, the parameters outside
+    the experts data parallel over ``world`` ranks (their gradients summed by hand); the global loss of
+    each step."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
     losses = []
-    for step in range(STEPS):
-        loss = model(_batch(rank, step)) / WORLD
+    for step in range(steps):
+        loss = model(_batch(rank, step)) / world
         loss.backward()
         for p in replicated:
             dist.all_reduce(p.grad)

@@ -352,11 +352,11 @@ def _dp2ep(recipe: str, fp8: bool) -> dict:
     """torchtitan's dp2ep layout on a (dp_mod_ep, ep) = (2, 2) mesh: 4 experts split over ep by
     ``ExpertParallel`` (DTensor weights Shard(0), tokens exchanged within the ep group), then FSDP2 over
     each rank's 2 experts on dp_mod_ep (one expert per rank), gathered in bf16 as torchtitan does. The
-    router and head are replicated, their gradients summed by hand."""
+    router and head are replicated, their gradients summed by hand (test_moe_distributed's loop)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from test_moe_distributed import MoENet, TitanEPNet, _batch
+    from test_moe_distributed import MoENet, TitanEPNet, _train_expert_parallel
 
     torch._dynamo.reset()
     te_compile.reset()
@@ -378,19 +378,7 @@ def _dp2ep(recipe: str, fp8: bool) -> dict:
 
     dist.all_gather_single = counting
     try:
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-        replicated = [p for n, p in model.named_parameters() if not n.startswith("moe.")]
-        losses = []
-        for step in range(STEPS):
-            loss = model(_batch(dist.get_rank(), step)) / WORLD
-            loss.backward()
-            for p in replicated:
-                dist.all_reduce(p.grad)
-            opt.step()
-            opt.zero_grad()
-            total = loss.detach().clone()
-            dist.all_reduce(total)
-            losses.append(total.item())
+        losses = _train_expert_parallel(model, dist.get_rank(), WORLD, STEPS)
     finally:
         dist.all_gather_single = real
     sites = [(s.rewritten, s.collectives) for s in te_compile.report().sites if s.op == "grouped_linear"]
