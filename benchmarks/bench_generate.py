@@ -24,9 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 import torch
 from tabulate import tabulate
@@ -74,15 +72,10 @@ def _torchao(model):
     return model
 
 
-def _time(fn, device, iters: int) -> float:
-    times = []
-    for _ in range(iters):
-        _common._sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _common._sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _median(fn, device, iters: int) -> float:
+    """Median seconds of ``fn`` over ``iters`` calls, after one untimed call (which compiles a graph the
+    call needs for the first time, e.g. the decode graph)."""
+    return _common.time_step(fn, device, iters, warmup=0)[1]
 
 
 def _weight_bytes(model) -> int:
@@ -127,17 +120,15 @@ def main() -> None:
             long = torch.randint(0, model.config.vocab_size, (1, prompt), generator=gen).to(device)
             figures = {}
             with torch.no_grad():
-                first = time.perf_counter()
-                model.generate(long, max_new_tokens=1, do_sample=False)
-                figures["compile_s"] = time.perf_counter() - first
-                figures["prefill"] = _time(lambda: model.generate(long, max_new_tokens=1, do_sample=False),
-                                           device, args.iters)
+                # the first call compiles the prefill graph (first call s)
+                figures["compile_s"], figures["prefill"] = _common.time_step(
+                    lambda: model.generate(long, max_new_tokens=1, do_sample=False), device, args.iters, warmup=0)
                 for batch in (1, 32):
                     short = torch.randint(0, model.config.vocab_size, (batch, 8), generator=gen).to(device)
-                    model.generate(short, max_new_tokens=new, do_sample=False)   # compiles the decode graph
-                    total = _time(lambda: model.generate(short, max_new_tokens=new, do_sample=False), device,
+                    total = _median(lambda: model.generate(short, max_new_tokens=new, do_sample=False), device,
+                                    args.iters)
+                    one = _median(lambda: model.generate(short, max_new_tokens=1, do_sample=False), device,
                                   args.iters)
-                    one = _time(lambda: model.generate(short, max_new_tokens=1, do_sample=False), device, args.iters)
                     # None when the timings' noise exceeds the decode steps' time (too few --new tokens)
                     figures[f"decode{batch}"] = (total - one) / (new - 1) if total > one else None
             figures["weights"] = _weight_bytes(model)
