@@ -176,13 +176,18 @@ def _backward_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: torch
                  causal: bool, fp8_grads: bool, grad_dtype: torch.dtype, do_scale: Optional[torch.Tensor] = None
                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     o = dequantize_heads(o8, o_descale)
-    dq, dk, dv = fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
-                                        sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
-                                        grad_dtype=grad_dtype, do_scale=do_scale)
-    # dO's state is used only by the "fp8" backward; the high-precision one leaves it at its start
+    grads = fp8_attention_backward(do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse,
+                                   sm_scale=sm_scale, causal=causal, mask=mask, fp8_grads=fp8_grads,
+                                   grad_dtype=grad_dtype, do_scale=do_scale)
+    return _backward_outputs(do, grads, fp8_grads, do_scale)
+
+
+def _backward_outputs(do, grads, fp8_grads: bool, do_scale) -> tuple:
+    """The backward ops' (dq, dk, dv in dO's dtype, dO's amax [1]): the state's dO amax is used only by
+    the "fp8" backward; the high-precision one leaves it at its start."""
     do_amax = (do.abs().amax().to(torch.float32).reshape(1) if fp8_grads and do_scale is not None
                else do.new_zeros(1, dtype=torch.float32))
-    return dq.to(do.dtype).contiguous(), dk.to(do.dtype).contiguous(), dv.to(do.dtype).contiguous(), do_amax
+    return (*(g.to(do.dtype).contiguous() for g in grads), do_amax)
 
 
 @_backward_op.register_fake
@@ -202,14 +207,10 @@ def _backward_bias_op(do: torch.Tensor, q8: torch.Tensor, k8: torch.Tensor, v8: 
     [B, H, Tq, Tk] in fp32 summed over the dims the mask was broadcast along. It runs the torch
     reference (dS as large as the mask's broadcast, as the scores are), on GPUs too."""
     o = dequantize_heads(o8, o_descale)
-    dq, dk, dv, ds = fp8_attention_backward_reference(
+    *grads, ds = fp8_attention_backward_reference(
         do, q8, k8, v8, q_descale, k_descale, v_descale, o, lse, sm_scale=sm_scale, causal=causal, mask=mask,
         fp8_grads=fp8_grads, grad_dtype=grad_dtype, do_scale=do_scale, return_ds=True)
-    do_amax = (do.abs().amax().to(torch.float32).reshape(1) if fp8_grads and do_scale is not None
-               else do.new_zeros(1, dtype=torch.float32))
-    dmask = ds.sum_to_size(mask.shape).to(mask.dtype)
-    return (dq.to(do.dtype).contiguous(), dk.to(do.dtype).contiguous(), dv.to(do.dtype).contiguous(), do_amax,
-            dmask.contiguous())
+    return (*_backward_outputs(do, grads, fp8_grads, do_scale), ds.sum_to_size(mask.shape).to(mask.dtype).contiguous())
 
 
 @_backward_bias_op.register_fake

@@ -140,6 +140,15 @@ def _delayed_inputs(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str
                                         _amax_groups(ctx, recipe))
 
 
+def _replace(graph: fx.Graph, node: fx.Node, lowering, args: tuple) -> None:
+    """The SDPA call ``node`` becomes ``lowering(*args)``."""
+    with graph.inserting_before(node):
+        new = graph.call_function(lowering, args)
+    new.meta.update(node.meta)
+    node.replace_all_uses_with(new)
+    graph.erase_node(node)
+
+
 def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args: dict, recipe,
                       record) -> None:
     """Route an SDPA call to te's context-parallel FP8 attention, or raise: left as SDPA, it would attend
@@ -164,11 +173,7 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     record(True, f"context parallel over {group}: {mode}; Q, K, V{', dO' if fp8_backward else ''} current-scaled "
                  f"per (batch, head) over the whole sequence", recipe.name,
            f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): Q, K, V, O")
-    with scope.graph.inserting_before(node):
-        new = scope.graph.call_function(ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    scope.graph.erase_node(node)
+    _replace(scope.graph, node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
 
 
 def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
@@ -213,11 +218,7 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
         mha = "; fp8_mha: see its own row" if recipe.fp8_mha else ""
         record(True, f"{spec.mode()}; Q, K, V, P in E4M3, {spec.scaling()}{unkeyed}{mha} ({why})", recipe.name,
                collectives)
-        with scope.graph.inserting_before(node):
-            new = scope.graph.call_function(AttentionLowering(spec),
-                                            (args["query"], args["key"], args["value"], args["attn_mask"], *extra))
-        new.meta.update(node.meta)
-        node.replace_all_uses_with(new)
-        scope.graph.erase_node(node)
+        _replace(scope.graph, node, AttentionLowering(spec),
+                 (args["query"], args["key"], args["value"], args["attn_mask"], *extra))
         count += 1
     return count
