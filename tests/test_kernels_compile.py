@@ -156,6 +156,16 @@ def _variants():
                 att.fp8_attention_backward_triton(do, q8, kv8, kv8, qd, kvd, kvd, o.float(), lse, sm_scale=0.125,
                                                   causal=causal, mask=mask, fp8_grads=fp8_grads, grad_dtype=grad)
         calls.append(attention)
+    from te_compile.kernels.kv_cache_attention import kv_cache_attention_triton
+
+    cache8 = torch.randn(2, 2, 40, 64, generator=g).to(e4m3)
+    cache_scale = torch.rand(2, 2, 40, generator=g)
+    for dtype, tq, causal, mask in ((torch.float32, 1, False, torch.rand(2, 1, 1, 40, generator=g) > 0.3),
+                                    (bf16, 1, False, None), (torch.float16, 24, True, None),
+                                    (bf16, 24, False, torch.randn(2, 4, 24, 40, generator=g))):
+        query = torch.randn(2, 4, tq, 64, generator=g).to(dtype)   # GQA: two query heads per key/value head
+        calls.append(lambda q=query, c=causal, m=mask: kv_cache_attention_triton(
+            q, cache8, cache8, cache_scale, cache_scale, sm_scale=0.125, causal=c, mask=m))
     return calls
 
 
@@ -227,7 +237,7 @@ def test_every_kernel_compiles_for_sm90_and_bit_exact_ones_keep_their_roundings(
     kernels = {"_fp8_cast_transpose_kernel", "_fp8_gemm_amax_kernel", "_delayed_update_kernel",
                "_mxfp8_quantize_kernel", "_float8_block_quantize_kernel", "_nvfp4_quantize_kernel",
                "_norm_stats_kernel", "_norm_quantize_kernel", "_norm_backward_kernel", "_fp8_attention_fwd_kernel",
-               "_fp8_attention_bwd_dkdv_kernel", "_fp8_attention_bwd_dq_kernel"}
+               "_fp8_attention_bwd_dkdv_kernel", "_fp8_attention_bwd_dq_kernel", "_kv_cache_attention_kernel"}
     assert names == kernels, names ^ kernels   # a new kernel must get a variant in _variants()
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(launches, default=str))

@@ -54,7 +54,7 @@ if HAS_TRITON:
 
 __all__ = ["quantize_heads", "dequantize_heads", "fp8_attention_forward", "fp8_attention_forward_reference", "fp8_attention_backward",
            "fp8_attention_backward_reference", "fp8_attention_forward_triton",
-           "fp8_attention_backward_triton", "P_SCALE", "BLOCK_N", "E4M3"]
+           "fp8_attention_backward_triton", "block_bias", "mask_args", "P_SCALE", "BLOCK_N", "E4M3"]
 
 E4M3 = torch.float8_e4m3fn
 # P = exp(s - m) lies in [0, 1]: a fixed scale maps it onto E4M3's range (FlashAttention-3's choice)
@@ -77,7 +77,7 @@ def quantize_heads(x: Tensor, fp8_dtype: torch.dtype = E4M3,
     return data, torch.div(torch.ones_like(scale), scale)
 
 
-def _block_bias(mask: Optional[Tensor], causal: bool, rows: int, cols: Tensor,
+def block_bias(mask: Optional[Tensor], causal: bool, rows: int, cols: Tensor,
                 device) -> Optional[Tensor]:
     """The additive bias for key columns ``cols`` (0 or -inf, or the float mask), broadcastable to
     [B, H, Tq, len(cols)]; None when nothing is masked."""
@@ -127,7 +127,7 @@ def fp8_attention_forward_reference(
     for start in range(0, tk, block_n):
         cols = torch.arange(start, min(start + block_n, tk), device=q.device)
         s = (q @ k[:, :, start:start + block_n].transpose(-2, -1)) * kv_scale
-        bias = _block_bias(mask, causal, tq, cols, q.device)
+        bias = block_bias(mask, causal, tq, cols, q.device)
         if bias is not None:
             s = s + bias
         m_new = torch.maximum(m, s.amax(dim=-1))
@@ -197,7 +197,7 @@ def fp8_attention_backward_reference(
     s = (q8f @ k8f.transpose(-2, -1)) * _score_scale(q_descale, k_descale, group, sm_scale)
     if mask is not None:
         mask = mask.expand(*mask.shape[:-2], tq, tk) if mask.dim() >= 2 else mask
-    bias = _block_bias(mask, causal, tq, torch.arange(tk, device=q8.device), q8.device)
+    bias = block_bias(mask, causal, tq, torch.arange(tk, device=q8.device), q8.device)
     if bias is not None:
         s = s + bias
     # fully masked rows have lse = -inf: their P is 0, not exp(-inf + inf)
@@ -328,7 +328,7 @@ def fp8_attention_forward_triton(
     o = torch.empty((b, h, tq, d), dtype=out_dtype, device=q8.device)
     lse = torch.empty((b, h, tq), dtype=torch.float32, device=q8.device)
     # without a mask the kernel never reads its pointer (MASK_KIND is a constexpr)
-    mask_arg, kind, strides = _mask_args(mask, b, h, tq, tk, lse)
+    mask_arg, kind, strides = mask_args(mask, b, h, tq, tk, lse)
     if b * h * tq == 0:
         return o, lse
     grid = (triton.cdiv(tq, _BLOCK_M), b * h)
@@ -522,7 +522,7 @@ if HAS_TRITON:
         tl.store(dq_ptr + pid_bh * TQ * D + rows[:, None] * D + dims[None, :], dq, mask=tile_m)
 
 
-def _mask_args(mask, b, h, tq, tk, fallback):
+def mask_args(mask, b, h, tq, tk, fallback):
     """(kernel pointer, MASK_KIND, strides [B, H, Tq, Tk]) of a mask broadcast to [B, H, Tq, Tk]."""
     if mask is None:
         return fallback, _MASK_NONE, (0, 0, 0, 0)
@@ -564,7 +564,7 @@ def fp8_attention_backward_triton(
     if b * h == 0 or tq == 0 or tk == 0:
         dk.zero_(), dv.zero_(), dq.zero_()
         return dq, _per_kv_head(dk, group), _per_kv_head(dv, group)
-    mask_arg, kind, m_strides = _mask_args(mask, b, h, tq, tk, lse)
+    mask_arg, kind, m_strides = mask_args(mask, b, h, tq, tk, lse)
     args = (q8, k8, v8, q_descale.contiguous(), k_descale.contiguous(), v_descale.contiguous(), mask_arg,
             do, do8, do_descale.contiguous(), ds_scale.contiguous(), lse.contiguous(), delta)
     scalars = (float(sm_scale), tq, tk, h, group, *q8.stride()[:3], *k8.stride()[:3], *v8.stride()[:3],
