@@ -5,19 +5,22 @@ measured side by side in one run.
     python benchmarks/bench_generate.py                  # CPU: a tiny Llama (2 layers of 256)
     python benchmarks/bench_generate.py --device cuda    # a 1B-class Llama (16 layers of 2048, random weights)
 
-Each provider compiles ``model.forward`` (``fullgraph=True``; ``mode="reduce-overhead"`` on CUDA) with a
-static cache and runs ``generate()`` greedily. Prefill: batch 1 of ``--prompt`` tokens, timed as
+Each provider compiles ``model.forward`` (``fullgraph=True``; ``mode="reduce-overhead"`` on CUDA) and runs
+``generate()`` greedily with a static cache of its own, one per batch size, reset before each call. Prefill: batch 1 of ``--prompt`` tokens, timed as
 ``generate(max_new_tokens=1)``. Decode: ``--new`` tokens at batch 1 and 32 after an 8-token prompt,
 (generate time - prefill time) / new tokens. Providers:
 - ``inductor``: the baseline dtype, no FP8;
 - ``te <recipe>``: ``backend="te"`` with the recipe (the weights quantized once: inference graphs);
   ``te <recipe> row``: with ``[inference] activation_scaling = "row"``;
+  ``te <recipe> fp8-kv``: with ``te_compile.fp8_static_cache`` (K and V in E4M3, read as bytes by te's
+  attention) instead of transformers' ``StaticCache``;
 - ``torchao float8 (dynamic, rowwise)``: ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(
   granularity=PerRow()))`` then inductor, when torchao imports (its FP8 GEMMs need a GPU).
 
 Columns: median seconds of the prefill and of one decode step at each batch, tokens/s, their ratio to
-inductor's, and the bytes of the weights the model holds (te: the high-precision weights plus the
-FP8 copies its inference graphs cache). GPU goals: decode >= 1.15x at batch 32, prefill >= 1.35x.
+inductor's, the bytes of the weights the model holds (te: the high-precision weights plus the FP8
+copies its inference graphs cache) and of the batch-32 key/value cache with its ratio to inductor's.
+GPU goals: decode >= 1.15x at batch 32, prefill >= 1.35x, KV cache <= 0.55x with fp8-kv.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import te_compile  # noqa: E402
+from te_compile.kv_cache import kv_cache_bytes  # noqa: E402
 
 SHAPES = {"cuda": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
                        num_key_value_heads=8, vocab_size=128256),
@@ -46,9 +50,27 @@ def _model(device, dtype, max_len: int):
     config = transformers.LlamaConfig(**SHAPES[device.type], max_position_embeddings=max_len)
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
-    model.generation_config.cache_implementation = "static"
     model.generation_config.pad_token_id = 0
     return model
+
+
+def _generator(model, provider: str, max_len: int):
+    """``generate(ids, new)`` with the provider's static cache for ids' batch size (made at the first
+    call, reset before every call: new cache tensors would recompile the graphs), and the caches."""
+    from transformers import StaticCache
+
+    caches = {}
+
+    def generate(ids, new: int):
+        if ids.shape[0] not in caches:
+            make = te_compile.fp8_static_cache if provider.endswith("fp8-kv") else (
+                lambda config, length: StaticCache(config=config, max_cache_len=length))
+            caches[ids.shape[0]] = make(model.config, max_len)
+        cache = caches[ids.shape[0]]
+        cache.reset()
+        return model.generate(ids, max_new_tokens=new, do_sample=False, cache=cache)
+
+    return generate, caches
 
 
 def _compile(model, provider: str, device, compiler: str):
@@ -59,7 +81,7 @@ def _compile(model, provider: str, device, compiler: str):
                                       backend="inductor" if compiler == "inductor" else compiler)
         return
     recipe, *rest = provider.split()[1:]
-    options = {"recipe": recipe, "compiler": compiler}
+    options = {"recipe": recipe, "compiler": compiler}   # "fp8-kv": the cache differs, not the options
     if rest == ["row"]:
         options["inference"] = {"activation_scaling": "row"}
     model.forward = torch.compile(forward, backend="te", fullgraph=True, mode=mode, options=options)
@@ -103,7 +125,8 @@ def main() -> None:
     dtype = _common.baseline_dtype(device)
     print(f"bench_generate: Llama {SHAPES[device.type]}, {str(dtype).replace('torch.', '')}, static cache; "
           f"{_common.describe_machine(device)}; median of {args.iters}", flush=True)
-    providers = ["inductor", f"te {args.recipe}", f"te {args.recipe} row", "torchao float8 (dynamic, rowwise)"]
+    providers = ["inductor", f"te {args.recipe}", f"te {args.recipe} row", f"te {args.recipe} fp8-kv",
+                 "torchao float8 (dynamic, rowwise)"]
     rows, base = [], {}
     for provider in providers:
         row = [provider]
@@ -112,26 +135,27 @@ def main() -> None:
                 raise RuntimeError(_common.TORCHAO_MISSING)
             torch._dynamo.reset()
             te_compile.reset()
-            model = _model(device, dtype, prompt + new + 8)
+            max_len = prompt + new + 8
+            model = _model(device, dtype, max_len)
             if provider.startswith("torchao"):
                 model = _torchao(model)
             _compile(model, provider, device, args.compiler)
+            generate, caches = _generator(model, provider, max_len)
             gen = torch.Generator().manual_seed(1)
             long = torch.randint(0, model.config.vocab_size, (1, prompt), generator=gen).to(device)
             figures = {}
             with torch.no_grad():
                 # the first call compiles the prefill graph (first call s)
                 figures["compile_s"], figures["prefill"] = _common.time_step(
-                    lambda: model.generate(long, max_new_tokens=1, do_sample=False), device, args.iters, warmup=0)
+                    lambda: generate(long, 1), device, args.iters, warmup=0)
                 for batch in (1, 32):
                     short = torch.randint(0, model.config.vocab_size, (batch, 8), generator=gen).to(device)
-                    total = _median(lambda: model.generate(short, max_new_tokens=new, do_sample=False), device,
-                                    args.iters)
-                    one = _median(lambda: model.generate(short, max_new_tokens=1, do_sample=False), device,
-                                  args.iters)
+                    total = _median(lambda: generate(short, new), device, args.iters)
+                    one = _median(lambda: generate(short, 1), device, args.iters)
                     # None when the timings' noise exceeds the decode steps' time (too few --new tokens)
                     figures[f"decode{batch}"] = (total - one) / (new - 1) if total > one else None
             figures["weights"] = _weight_bytes(model)
+            figures["kv"] = kv_cache_bytes(caches[32])
             if provider == "inductor":
                 base = figures
             row += [f"{figures['prefill']:.4f}", f"{prompt / figures['prefill']:,.0f}",
@@ -140,15 +164,17 @@ def main() -> None:
                 step, ref = figures[f"decode{batch}"], base.get(f"decode{batch}")
                 row += ["n/a", "n/a", "n/a"] if step is None else [
                     f"{1e3 * step:.2f}", f"{batch / step:,.0f}", f"{ref / step:.2f}x" if ref else "n/a"]
-            row += [f"{figures['weights'] / 2**20:.1f}", f"{figures['compile_s']:.1f}", ""]
+            row += [f"{figures['weights'] / 2**20:.1f}", f"{figures['kv'] / 2**20:.1f}",
+                    f"{figures['kv'] / base['kv']:.2f}x", f"{figures['compile_s']:.1f}", ""]
         except Exception as e:   # a provider that cannot run here keeps its row, with why
-            row += ["n/a"] * 11 + [_common.failure_note(e, limit=90) if not isinstance(e, RuntimeError)
+            row += ["n/a"] * 13 + [_common.failure_note(e, limit=90) if not isinstance(e, RuntimeError)
                                    or str(e) != _common.TORCHAO_MISSING else str(e)]
         rows.append(row)
         print(f"  {provider}: done", flush=True)
     print(tabulate(rows, headers=["provider", "prefill s", "prefill tok/s", "vs inductor", "decode ms (b1)",
                                   "tok/s (b1)", "vs inductor", "decode ms (b32)", "tok/s (b32)", "vs inductor",
-                                  "weights MiB", "first call s", "note"], disable_numparse=True))
+                                  "weights MiB", "KV MiB (b32)", "vs inductor", "first call s", "note"],
+                   disable_numparse=True))
     print(f"\n{_common.precision_note(device)}")
 
 

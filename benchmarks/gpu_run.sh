@@ -20,7 +20,8 @@
 #   bash benchmarks/gpu_run.sh lease-5    # the next lease: the block step again (norm backward now inductor's),
 #                                         # MoE with torchao's row, and where the MoE layer's time goes
 #   bash benchmarks/gpu_run.sh lease-6    # the output layer and its loss (Llama 3's 128k vocab), the fused
-#                                         # op's tests under the image's torch, then generation (FP8 inference)
+#                                         # op's and the FP8-cache attention's tests under the image's torch,
+#                                         # then generation (FP8 inference, the FP8 KV cache)
 #
 # Every part begins with the install (no network there: the image's torch and triton, this checkout
 # with --no-deps) and writes its logs to $OUT (the device tool's return folder; ./gpu_out elsewhere).
@@ -120,9 +121,11 @@ case "$part" in
         # step <= 1.05x unfused)
         timed 200 "linear-ce" linear-ce.txt "$PY" benchmarks/bench_linear_ce.py --device cuda --iters 20
         tail -14 "$OUT/linear-ce.txt"
-        timed 100 "linear-ce tests" linear-ce-tests.txt "$PY" -m pytest -q -x -n 4 tests/test_linear_cross_entropy.py
+        timed 100 "linear-ce tests" linear-ce-tests.txt "$PY" -m pytest -q -x -n 4 tests/test_linear_cross_entropy.py \
+            tests/test_kv_cache_attention.py
         tail -4 "$OUT/linear-ce-tests.txt"
-        # generation, CUDA graphs included (goals: decode >= 1.15x at batch 32, prefill >= 1.35x)
+        # generation, CUDA graphs included (goals: decode >= 1.15x at batch 32, prefill >= 1.35x, KV cache
+        # <= 0.55x with fp8-kv)
         carry_torchao
         timed 180 "generate" generate.txt "$PY" benchmarks/bench_generate.py --device cuda
         tail -8 "$OUT/generate.txt"

@@ -438,6 +438,12 @@ def _build_inference(value: Any, source: str) -> InferenceConfig:
     if isinstance(value, InferenceConfig):
         return value
     table = _table(value, "inference", source)
+    if "kv_cache" in table:
+        # transformers makes the cache inside generate(), before the compiled forward runs: a backend
+        # sees its buffers as inputs and cannot change their dtype, so the FP8 cache is an object
+        raise _error(source, "inference.kv_cache", "not a config key: pass generate(cache="
+                     "te_compile.fp8_static_cache(model.config, max_cache_len)) for an FP8 key/value cache, "
+                     "which te's attention then reads as bytes")
     _check_keys(table, tuple(_INFERENCE_CHOICES), "inference.", source)
     for key, v in table.items():
         if v not in _INFERENCE_CHOICES[key]:

@@ -9,10 +9,12 @@ its own amax, so a token written later never changes the scale of one written ea
 as transformers' own static layers are, so a compiled forward (CUDA graphs included) reads and
 writes them in place.
 
-The attention reads the cache dequantized, in the model's dtype, through the model's own SDPA call:
-the cache saves memory, not the bandwidth of reading it. (Reading the bytes directly needs an
-attention kernel that takes FP8 K and V with these scales; te's FP8 attention scales per tensor.)
-Sliding-window and other non-static layers are kept as transformers makes them.
+The layer hands the model its keys and values as ``te_compile::dequantize_kv`` of the bytes and
+scales, in the model's dtype. Run eagerly (or compiled by another backend) that copy is what SDPA
+reads: the cache then saves memory, not the bandwidth of reading it. Compiled with te, the attention
+pass finds the op behind SDPA's K and V and calls te's attention over the bytes instead
+(lowerings/kv_cache_attention.py), so the copy is never made. Sliding-window and other non-static
+layers are kept as transformers makes them.
 
 transformers is imported when a cache is made, not with te_compile.
 """
@@ -25,7 +27,7 @@ import torch
 
 from .scaling import cast_to_fp8, compute_scale
 
-__all__ = ["fp8_static_cache", "kv_cache_bytes"]
+__all__ = ["fp8_static_cache", "kv_cache_bytes", "dequantize_kv"]
 
 _FP8 = torch.float8_e4m3fn
 
@@ -35,6 +37,23 @@ def _quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scaled from its own amax by current scaling's rule (an all-zero vector gets scale 1)."""
     scale = compute_scale(x.abs().amax(dim=-1, keepdim=True).to(torch.float32), _FP8)
     return cast_to_fp8(x, scale, _FP8).view(torch.uint8), torch.div(torch.ones_like(scale), scale)
+
+
+@torch.library.custom_op("te_compile::dequantize_kv", mutates_args=())
+def dequantize_kv(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The cache's keys or values in ``dtype``: E4M3 bytes [B, H, L, D] (uint8) times scale_inv
+    [B, H, L, 1]. One op rather than its three, so that te's attention pass finds what the cache hands
+    to SDPA and reads the bytes instead (passes/kv_cache_attention.py)."""
+    return _dequantize(data, scale_inv, dtype)
+
+
+def _dequantize(data: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return (data.view(_FP8).to(torch.float32) * scale_inv).to(dtype)
+
+
+@dequantize_kv.register_fake
+def _(data, scale_inv, dtype):
+    return data.new_empty(data.shape, dtype=dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -73,9 +92,8 @@ def _layer_class():
                 data.index_copy_(2, position, q)
                 scale_inv.index_copy_(2, position, s)
             # unwritten slots hold 0 with scale_inv 0: zeros, as the high-precision cache's are
-            keys = (self.keys.view(_FP8).to(torch.float32) * self.key_scale_inv).to(key_states.dtype)
-            values = (self.values.view(_FP8).to(torch.float32) * self.value_scale_inv).to(value_states.dtype)
-            return keys, values
+            return (dequantize_kv(self.keys, self.key_scale_inv, key_states.dtype),
+                    dequantize_kv(self.values, self.value_scale_inv, value_states.dtype))
 
         def reset(self) -> None:
             if self.is_initialized:

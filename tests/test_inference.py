@@ -177,7 +177,7 @@ def test_rowwise_linear_scales_each_token_on_its_own():
 
 @pytest.mark.parametrize("key, value, words", [("scaling", "dynamic", "['static', 'current']"),
                                                 ("activation_scaling", "channel", "['tensor', 'row']"),
-                                                ("kv_cache", "fp8", "unknown key")])
+                                                ("kv_cache", "fp8", "te_compile.fp8_static_cache")])
 def test_inference_config_errors_name_the_file_key_and_choices(tmp_path, key, value, words):
     path = tmp_path / "te.toml"
     path.write_text(f'recipe = "DelayedScaling"\n[inference]\n{key} = "{value}"\n')
@@ -213,7 +213,7 @@ def _static_generate(model, recipe, ids, new_tokens, cache=None, **options):
     counters.clear()
     try:
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                             output_logits=True, return_dict_in_generate=True, past_key_values=cache)
+                             output_logits=True, return_dict_in_generate=True, cache=cache)
     finally:
         del model.forward   # the class's forward again: the model runs in high precision
     return out, counters["stats"]["unique_graphs"]
@@ -312,10 +312,60 @@ def test_trained_llama_decodes_with_one_scale_per_token(trained_llama):
     _tokens_match_or_near_tie(out.sequences, high, ref)
 
 
+@pytest.fixture
+def cache_reads(monkeypatch):
+    """What reads the FP8 cache during a generation: "dequantized" per copy made for SDPA, and the
+    dtypes of the K operands te's cache attention received."""
+    from te_compile import kv_cache
+    from te_compile.lowerings import kv_cache_attention as lowering
+
+    seen = {"dequantized": 0, "attention": []}
+    dequantize, attention = kv_cache._dequantize, lowering.kv_cache_attention
+
+    def counting_dequantize(*args):
+        seen["dequantized"] += 1
+        return dequantize(*args)
+
+    def counting_attention(q, k8, *args, **kwargs):
+        seen["attention"].append(k8.dtype)
+        return attention(q, k8, *args, **kwargs)
+
+    monkeypatch.setattr(kv_cache, "_dequantize", counting_dequantize)
+    monkeypatch.setattr(lowering, "kv_cache_attention", counting_attention)
+    return seen
+
+
+def test_te_attention_reads_the_fp8_cache_bytes(cache_reads):
+    """Compiled with te, the SDPA calls of the prefill and of every decode step read the E4M3 bytes and
+    their per-token scales (no dequantized copy is made) and give what SDPA over the copy gives, for a
+    GQA Llama in both of transformers' forms: the prefill's cropped cache with enable_gqa, the decode's
+    repeat_kv with a mask. Only the attention differs here: the linears stay in high precision."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**{**COMMON, "num_attention_heads": 4,
+                                                                      "num_key_value_heads": 2})).eval()
+    ids = torch.randint(0, 128, (2, 5))
+    model.generation_config.pad_token_id = 0
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False, output_logits=True,
+                  return_dict_in_generate=True)
+    with torch.no_grad():
+        eager = model.generate(ids, cache=te_compile.fp8_static_cache(model.config, 12), **kwargs)
+    assert cache_reads["dequantized"] == 2 * 4 and not cache_reads["attention"]   # K and V, prefill + 3 decodes
+    cache_reads["dequantized"] = 0
+    out, graphs = _static_generate(model, "Float8CurrentScaling", ids, 4, te_compile.fp8_static_cache(model.config, 12),
+                                   rewrite={"linear": False})
+    assert graphs == 2 and cache_reads["dequantized"] == 0
+    assert cache_reads["attention"] == [torch.float8_e4m3fn] * 4
+    rows = [r for r in te_compile.report().sites if r.op == "sdpa"]
+    assert [r.graph for r in rows] == [0, 1] and all(r.rewritten and "E4M3 bytes" in r.reason for r in rows), rows
+    assert torch.equal(out.sequences, eager.sequences)
+    for got, expect in zip(out.logits, eager.logits):   # the same sums in another order
+        torch.testing.assert_close(got, expect, rtol=0, atol=1e-5)
+
+
 @pytest.mark.slow
-def test_trained_llama_decodes_with_an_fp8_kv_cache(trained_llama):
+def test_trained_llama_decodes_with_an_fp8_kv_cache(trained_llama, cache_reads):
     """K and V held as E4M3 with one scale per (row, head, token): (D + 4) bytes a vector against the
-    fp32 cache's 4D, and decoding stays close to high precision."""
+    fp32 cache's 4D, read as bytes by te's attention, and decoding stays close to high precision."""
     from transformers import StaticCache
 
     from te_compile.kv_cache import kv_cache_bytes
@@ -325,13 +375,14 @@ def test_trained_llama_decodes_with_an_fp8_kv_cache(trained_llama):
     cache = te_compile.fp8_static_cache(model.config, length)
     out, graphs = _static_generate(model, "Float8CurrentScaling", prompts, 16, cache=cache)
     assert graphs == 2
+    assert cache_reads["dequantized"] == 0 and len(cache_reads["attention"]) == 2 * 16   # 2 layers, 16 forwards
     overall, worst, ref = _decode_numerics(model, prompts, out)
     assert overall >= 25 and worst >= 20, (overall, worst)
     _tokens_match_or_near_tie(out.sequences, high, ref)
     plain = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
         model.generate(prompts[:, :4], attention_mask=torch.ones_like(prompts[:, :4]), max_new_tokens=1,
-                       do_sample=False, past_key_values=plain, pad_token_id=0)
+                       do_sample=False, cache=plain, pad_token_id=0)
     head_dim = model.config.hidden_size // model.config.num_attention_heads
     assert kv_cache_bytes(cache) * 4 * head_dim == kv_cache_bytes(plain) * (head_dim + 4)
 

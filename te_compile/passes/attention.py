@@ -33,10 +33,12 @@ from ..config import ConfigError
 from ..distributed import is_dtensor
 from ..lowerings.attention import AttentionLowering, AttentionSpec, attention_grad_dtype
 from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
+from ..lowerings.kv_cache_attention import KvCacheAttentionLowering, KvCacheAttentionSpec
 from ..state import attention_key_param
 from .graphs import GraphScope, ParamRef, module_fqn
 from .matching import shape_text, value_of
 from .context import PassContext
+from .kv_cache_attention import kv_cache_operands, kv_cache_sources
 
 __all__ = ["rewrite_attention", "MAX_HEAD_DIM"]
 
@@ -176,6 +178,30 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     _replace(scope.graph, node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
 
 
+def _sm_scale(args: dict) -> float:
+    scale = args["scale"]
+    return float(scale) if scale is not None else 1.0 / math.sqrt(value_of(args["query"]).shape[-1])
+
+
+def _kv_cache(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args: dict, sources, recipe, why,
+              record) -> bool:
+    """Route an SDPA call whose K and V come from te's FP8 cache to the attention that reads its bytes
+    (lowerings/kv_cache_attention.py); False, with the row written, when it stays SDPA."""
+    reason = ctx.left_alone(scope, recipe, why) or _ineligibility(args)
+    if reason is None and getattr(value_of(args["query"]), "requires_grad", False):
+        reason = "the query needs a gradient (the FP8-cache attention is for inference)"
+    if reason is not None:
+        record(False, f"{reason}; K, V read dequantized from the FP8 cache", recipe.name if recipe else None)
+        return False
+    dtype = value_of(args["query"]).dtype
+    record(True, f"K, V read as E4M3 bytes from the FP8 cache, one scale per token; Q and P in "
+                 f"{str(dtype).removeprefix('torch.')} ({why})", recipe.name)
+    spec = KvCacheAttentionSpec(fqn, _sm_scale(args), bool(args["is_causal"]))
+    operands = kv_cache_operands(scope.graph, node, sources)
+    _replace(scope.graph, node, KvCacheAttentionLowering(spec), (args["query"], *operands, args["attn_mask"]))
+    return True
+
+
 def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
     """Rewrite the eligible SDPA calls of ``scope``; one report row per call."""
     config = ctx.config
@@ -187,6 +213,9 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
         args = _args(node)
         recipe, why = config.recipe_for(fqn)
         record = ctx.recorder(scope, node, fqn, "sdpa", _shapes(args))
+        if (sources := kv_cache_sources(args["key"], args["value"])) is not None:
+            count += _kv_cache(ctx, scope, node, fqn, args, sources, recipe, why, record)
+            continue
         if ctx.context_parallel is not None:   # every site, or the call would see this rank's keys only
             _context_parallel(ctx, scope, node, fqn, args, recipe, record)
             count += 1
