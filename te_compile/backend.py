@@ -12,6 +12,8 @@ from torch._guards import detect_fake_mode
 
 from .config import ConfigError, TeConfig, config_argument, resolve_config
 from .passes import run_passes
+from .passes.async_tp import async_tp_enabled
+from .passes.micro_pipeline import micro_pipeline_tp
 from .report import Report, add_records, next_graph_id
 
 __all__ = ["te_backend", "backend"]
@@ -24,15 +26,25 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     """aot_eager or inductor (with ``mode``'s options) on the rewritten graph. ``cacheable``: the
     lowerings' published names (passes/cache_names.py), vouched for to AOTAutograd's cache while
     this graph compiles, which then keys the graph by them instead of bypassing it."""
+    async_tp = async_tp_enabled(config)
     if config.compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager
+        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
 
-        return aot_eager(gm, example_inputs)
+        if not async_tp:
+            return aot_eager(gm, example_inputs)
+
+        def pipelined(graph, inputs):   # what inductor's post-grad passes would do for async TP
+            micro_pipeline_tp(graph)
+            return boxed_nop(graph, inputs)
+
+        return aot_eager(gm, example_inputs, fw_compiler=pipelined, bw_compiler=pipelined)
     import torch._inductor.config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
 
     patches = list_mode_options(mode) if mode else {}
+    if async_tp:
+        patches["_micro_pipeline_tp"] = True
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}

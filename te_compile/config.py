@@ -47,7 +47,7 @@ _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "na
              "amax_group", "mesh", "inference")
 _INFERENCE_CHOICES = {"scaling": ("static", "current"), "activation_scaling": ("tensor", "row")}
 _DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims",
-                     "context_parallel")
+                     "context_parallel", "async_tp")
 _AMAX_GROUP_NAMES = ("auto", "world", "none")
 _EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
 _GROUP_FORMS = "a list of mesh dim names, or from Python a ProcessGroup or a DeviceMesh"
@@ -215,8 +215,15 @@ class DistributedConfig:
     # every SDPA site then runs te's context-parallel FP8 attention over it, K and V exchanged in FP8.
     # None: no context parallelism.
     context_parallel: Optional[str] = None
+    # Async tensor parallelism: sequence-parallel FP8 linears issue their own all-gather / reduce-scatter
+    # on FP8 data next to aten._scaled_mm, and inductor's micro-pipeline TP pass (turned on while te's
+    # graphs compile) fuses each collective with its GEMM where the TP group has symmetric memory.
+    # torch._inductor.config._micro_pipeline_tp = True set by the user means the same.
+    async_tp: bool = False
 
     def __post_init__(self):
+        if not isinstance(self.async_tp, bool):
+            raise ValueError(f"async_tp must be true or false, got {self.async_tp!r}")
         if self.context_parallel is not None and (not isinstance(self.context_parallel, str)
                                                   or not self.context_parallel):
             raise ValueError(f"context_parallel must be a mesh dim name, got {self.context_parallel!r}")
@@ -480,7 +487,8 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     if isinstance(value, DistributedConfig):
         table = {"amax_group": value.amax_group, "sharded_modules": value.sharded_modules,
                  "expert_amax_group": value.expert_amax_group, "mesh": value.mesh,
-                 "pipeline_dims": value.pipeline_dims, "context_parallel": value.context_parallel}
+                 "pipeline_dims": value.pipeline_dims, "context_parallel": value.context_parallel,
+                 "async_tp": value.async_tp}
     else:
         table = dict(_table(value, "distributed", source))
         _check_keys(table, _DISTRIBUTED_KEYS, "distributed.", source)
@@ -516,8 +524,11 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     cp = table.get("context_parallel")
     if cp is not None and (not isinstance(cp, str) or not cp):
         raise _error(source, "distributed.context_parallel", f"expected a mesh dim name, got {cp!r}")
+    async_tp = table.get("async_tp", False)
+    if not isinstance(async_tp, bool):
+        raise _error(source, "distributed.async_tp", f"expected true or false, got {async_tp!r}")
     return DistributedConfig(groups["amax_group"], tuple(globs), groups["expert_amax_group"], mesh, tuple(pipeline),
-                             cp)
+                             cp, async_tp)
 
 
 def config_from_dict(data: Mapping, source: str) -> TeConfig:

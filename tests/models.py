@@ -92,3 +92,60 @@ class ActivationMLP(nn.Module):
     def forward(self, x):
         gate = self.gate(x) if self.kind == "swiglu" else None
         return self.down(ACTIVATIONS[self.kind](self.up(x), gate))
+
+
+
+class TitanAttention(nn.Module):
+    """torchtitan's attention without rotary embeddings: wq / wk / wv / wo, local heads found from the
+    projections' width (``view(bs, seqlen, -1, head_dim)``), so tensor parallelism needs no change."""
+
+    def __init__(self, dim: int, n_heads: int) -> None:
+        super().__init__()
+        self.head_dim = dim // n_heads
+        self.wq, self.wk, self.wv, self.wo = (nn.Linear(dim, dim, bias=False) for _ in range(4))
+
+    def forward(self, x):
+        bs, seqlen, _ = x.shape
+        q, k, v = (w(x).view(bs, seqlen, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bs, seqlen, -1))
+
+
+class TitanFeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w1, self.w2, self.w3 = nn.Linear(dim, hidden, bias=False), nn.Linear(hidden, dim, bias=False), \
+            nn.Linear(dim, hidden, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TitanBlock(nn.Module):
+    """A Llama block as torchtitan writes it (RMSNorm, attention, SwiGLU feed-forward, no biases)."""
+
+    def __init__(self, dim: int = 32, n_heads: int = 4, hidden: int = 64) -> None:
+        super().__init__()
+        self.attention_norm, self.ffn_norm = nn.RMSNorm(dim), nn.RMSNorm(dim)
+        self.attention = TitanAttention(dim, n_heads)
+        self.feed_forward = TitanFeedForward(dim, hidden)
+
+    def forward(self, x):
+        h = x + self.attention(self.attention_norm(x))
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def titan_tp_plan() -> dict:
+    """torchtitan's sequence-parallel plan for one TitanBlock (its parallelize_llama, per block): the
+    block's input and output are sequence shards, Shard(1)."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel)
+
+    gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    return {"attention_norm": SequenceParallel(), "attention": gather,
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(), "feed_forward": gather,
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}

@@ -149,7 +149,8 @@ def _world(rank: int) -> dict:
     """Every multi-process case of this file in one spawned world (a spawn costs seconds of imports
     per rank). Inductor first: the others install AotGraphs, which replaces the final compiler."""
     out = {}
-    for key, worker in (("inductor", _inductor_worker), ("ddp", _ddp_worker), ("tp", _tp_worker),
+    for key, worker in (("inductor", _inductor_worker), ("async_tp", _async_tp_worker), ("ddp", _ddp_worker),
+                        ("tp", _tp_worker),
                         ("vocab", _vocab_worker), ("cp", _cp_worker), ("hand", _hand_worker)):
         torch._dynamo.reset()
         te_compile.reset()
@@ -337,6 +338,51 @@ def _tp_worker(rank: int) -> dict:
         out["compiled"][(recipe_name, mesh_kind, sp)] = dict(results=results, grads=grads, sites=sites,
                                                              fwd=fwd, bwd=bwd, state=state, ref_state=ref_state)
     return out
+
+
+def _async_tp_worker(rank: int) -> dict:
+    """A torchtitan-planned TitanBlock (sequence parallel) trained 3 SGD steps with async_tp off and on:
+    te's own FP8 all-gathers and reduce-scatters (uint8 on gloo) against DTensor's collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    from models import TitanBlock, titan_tp_plan
+
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
+    out = {}
+    for async_tp in (False, True):
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = parallelize_module(TitanBlock(), mesh, titan_tp_plan())
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        compiled = torch.compile(model, backend="te", options={
+            "recipe": "Float8CurrentScaling", "compiler": "aot_eager", "distributed": {"async_tp": async_tp}})
+        losses = []
+        for step in range(3):
+            x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step)).chunk(WORLD, 1)[rank]
+            loss = compiled(x).pow(2).mean()   # this rank's positions
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        out[async_tp] = dict(losses=torch.stack(losses),
+                             weights={n: p.to_local().detach().clone() for n, p in model.named_parameters()},
+                             rows=[r.reason for r in te_compile.report().sites if r.op == "linear"])
+    return out
+
+
+def test_async_tp_trains_as_dtensor_collectives_do(world):
+    """The same losses and weights after 3 steps, bit for bit, on both ranks: the same FP8 bytes (amaxes
+    all-reduced before the gather, as DTensor's path reduces them after), GEMMs and sums (one
+    reduce-scatter of wq's + wk's + wv's dgrad, as DTensor sums the partial gradients first)."""
+    for result in (r["async_tp"] for r in world):
+        off, on = result[False], result[True]
+        assert all("async TP:" in reason for reason in on["rows"]) and len(on["rows"]) == 7
+        assert not any("async TP" in reason for reason in off["rows"])
+        assert torch.equal(on["losses"], off["losses"]), (on["losses"], off["losses"])
+        for name, w in off["weights"].items():
+            assert torch.equal(on["weights"][name], w), name
 
 
 @pytest.fixture(scope="module")
@@ -934,8 +980,9 @@ def test_distributed_config_from_toml_tables():
     ({"distributed": {"mesh": "dp"}}, "distributed.mesh", "expected a DeviceMesh"),
     ({"distributed": {"group": "world"}}, "distributed.group",
      "allowed keys: ['amax_group', 'expert_amax_group', 'sharded_modules', 'mesh', 'pipeline_dims', "
-     "'context_parallel']"),
+     "'context_parallel', 'async_tp']"),
     ({"distributed": {"context_parallel": 2}}, "distributed.context_parallel", "expected a mesh dim name, got 2"),
+    ({"distributed": {"async_tp": "yes"}}, "distributed.async_tp", "expected true or false, got 'yes'"),
     ({"distributed": {"sharded_modules": "up"}}, "distributed.sharded_modules", "array of module globs"),
     ({"distributed": {"sharded_modules": ["up["]}}, "distributed.sharded_modules[0]", "without a closing"),
     ({"amax_group": 3}, "amax_group", "a ProcessGroup or a DeviceMesh, got 3 (int)"),

@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
+__all__ = ["fp8_gemm", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +126,13 @@ def fp8_gemm(
         # the [1] scales broadcast as they are: no reshape nodes (3 GEMMs a site, each node is
         # traced, partitioned and lowered at every compile)
         return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU
+    return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
+
+
+def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """``fp8_gemm`` as ``torch._scaled_mm`` always, the CPU included: the op inductor's micro-pipeline
+    TP pass looks for (async tensor parallelism, lowerings/async_tp_linear.py)."""
     sa = a_scale_inv.reshape(())
     sb = b_scale_inv.reshape(())
     a, b = _canonical_strides(a), _canonical_strides(b.t()).t()

@@ -19,6 +19,7 @@ from ..distributed import NO_GROUPS, AmaxGroup
 from ..gemm.per_tensor import fp8_gemm_kind
 from ..quantization import quantizer_factory
 from ..recipe import Recipe
+from .async_tp_linear import AsyncTp, async_tp_column, async_tp_row
 from .fp8_linear import Fp8LinearFunction
 from .quantized_linear import QuantizedLinearFunction
 from .rowwise_linear import rowwise_fp8_linear
@@ -42,6 +43,9 @@ class LinearSpec:
     # inference graphs under [inference] activation_scaling = "row": one input scale per token,
     # forward only (rowwise_linear.py)
     rowwise: bool = False
+    # [distributed] async_tp: a sequence-parallel site's collectives on FP8 data next to its _scaled_mm
+    # (async_tp_linear.py); x then arrives sequence-sharded (column) or y leaves so (row)
+    async_tp: Optional[AsyncTp] = None
 
 
 def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optional[torch.device] = None) -> str:
@@ -107,7 +111,11 @@ class LinearLowering:
         DTensor (a row-parallel output is a partial sum: the replicated bias must be added once)."""
         w_nk = weight.t() if self.spec.weight_in_out else weight
         plan = plan_linear_sharding(x, w_nk, self.spec.fqn)
-        if plan is None:
+        form = self.spec.async_tp
+        if plan is not None and form is not None:
+            y = (async_tp_column(x, [w_nk], self.spec.recipe, form)[0] if form.kind == "column"
+                 else async_tp_row(x, w_nk, self.spec.recipe, form))
+        elif plan is None:
             y = self._local(x, w_nk, delayed, self.spec.amax_groups)
         else:
             y = sharded_linear(lambda x_, w_, groups: self._local(x_, w_, delayed, groups), x, w_nk, plan,

@@ -11,6 +11,7 @@ import torch.fx as fx
 from ..distributed import (NO_GROUPS, describe_role_groups, is_dtensor, local_value, merge_role_groups,
                            minimal_groups)
 from ..gemm.block_probe import native_block_gemm_support
+from ..lowerings.async_tp_group import AsyncTpColumnGroupLowering
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.sharded_linear import plan_linear_sharding
 from ..quantization import weight_is_operand
@@ -20,6 +21,7 @@ from .eligibility import linear_ineligibility, shape_str
 from .graphs import GraphScope, insert_call
 from .inference_weights import cached_weight
 from .sites import LinearSite, find_linear_sites
+from .async_tp import async_tp_enabled, async_tp_form, column_groups
 from .context import PassContext
 
 __all__ = ["rewrite_linears"]
@@ -88,13 +90,32 @@ def _expert_inputs(site: LinearSite, extra: list) -> list:
 
 
 def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra: list,
-             cached: Optional[fx.Node] = None) -> None:
-    """``cached``: the inference graph's FP8 copy of the weight, read instead of the weight."""
+             cached: Optional[fx.Node] = None, x: Optional[fx.Node] = None, absorbed: Optional[fx.Node] = None) -> None:
+    """``cached``: the inference graph's FP8 copy of the weight, read instead of the weight; ``x``: the
+    input read instead of the site's (async TP: the sequence-sharded one); ``absorbed``: the
+    redistribute of the output the lowering now does itself (async TP's reduce-scatter)."""
     with graph.inserting_before(site.node):
-        new = graph.call_function(lowering, (site.x, site.weight if cached is None else cached, site.bias, *extra))
+        new = graph.call_function(lowering, (site.x if x is None else x, site.weight if cached is None else cached,
+                                             site.bias, *extra))
     new.meta.update(site.node.meta)
     site.node.replace_all_uses_with(new)
     graph.erase_node(site.node)
+    if absorbed is not None:
+        new.meta["example_value"] = absorbed.meta["example_value"]
+        absorbed.replace_all_uses_with(new)
+        graph.erase_node(absorbed)
+
+
+def _async_tp_collectives(site: LinearSite, form) -> str:
+    """The report's collectives for an async-TP site."""
+    from ..distributed import mesh_dim_group
+
+    group = mesh_dim_group(site.weight.meta["example_value"].device_mesh, form.mesh_dim)
+    if form.kind == "column":
+        return (f"amax all-reduce (MAX) over {group}: input, weight, grad_output; all-gather over {group}: x in "
+                f"FP8; reduce-scatter: dx")
+    return (f"amax all-reduce (MAX) over {group}: input, weight, grad_output; reduce-scatter over {group}: y; "
+            f"all-gather over {group}: grad_output in FP8")
 
 
 def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
@@ -145,14 +166,40 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
                    and plain_groups == NO_GROUPS and not is_dtensor(site.weight.meta.get("example_value")))
         if rowwise:
             why += "; one input scale per token (inference, activation_scaling = row)"
-        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise)
-        planned.append((site, LinearLowering(spec), extra, cached))
+        form = x_node = absorbed = None
+        if async_tp_enabled(config) and is_dtensor(site.weight.meta.get("example_value")):
+            form, x_node, absorbed, note = async_tp_form(site, recipe)
+            why += f"; {note}" if note else ""
+            collectives = _async_tp_collectives(site, form) if form is not None else collectives
+        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise, form)
+        planned.append((site, LinearLowering(spec), extra, cached, x_node, absorbed))
         device = getattr(site.weight.meta.get("example_value"), "device", None)
         what = site.op_name if site.expert is None else \
             f"{site.op_name} on expert {site.expert} of {site.param.name} (a per-expert loop; that expert's scales)"
         record(True, f"{what} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name, collectives)
+    grouped = column_groups(planned)
+    for members in grouped:
+        _replace_group(scope.graph, [planned[i] for i in members])
+    done = {i for members in grouped for i in members}
     # Consumers first: rewriting a site erases its node, which a later site's x may still name
     # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
-    for site, lowering, extra, cached in reversed(planned):
-        _replace(scope.graph, site, lowering, extra, cached)
+    for i, (site, lowering, extra, cached, x_node, absorbed) in reversed(list(enumerate(planned))):
+        if i not in done:
+            _replace(scope.graph, site, lowering, extra, cached, x_node, absorbed)
     return len(planned)
+
+
+def _replace_group(graph: fx.Graph, entries: list) -> None:
+    """Column-parallel async-TP sites reading one x become one call, before the first of them, each
+    site's node a getitem of it (async_tp.column_groups says which)."""
+    sites = [entry[0] for entry in entries]
+    lowering = AsyncTpColumnGroupLowering(tuple(entry[1].spec for entry in entries))
+    with graph.inserting_before(sites[0].node):
+        call = graph.call_function(lowering, (entries[0][4], *(s.weight for s in sites), *(s.bias for s in sites)))
+    call.meta["example_value"] = tuple(s.node.meta.get("example_value") for s in sites)
+    for i, site in enumerate(sites):
+        with graph.inserting_before(site.node):
+            item = graph.call_function(operator.getitem, (call, i))
+        item.meta.update(site.node.meta)
+        site.node.replace_all_uses_with(item)
+        graph.erase_node(site.node)

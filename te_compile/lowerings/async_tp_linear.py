@@ -1,0 +1,186 @@
+"""Tensor-parallel FP8 linears in the form inductor's micro-pipeline TP pass fuses (async TP).
+
+Under sequence parallelism (torchtitan's and torch's plans: activations Shard(d) along the sequence
+between blocks) a column-parallel linear first all-gathers its input and a row-parallel linear
+reduce-scatters its output. Done by DTensor, the all-gather moves the high-precision activation and
+te's FP8 GEMM follows a quantize, so nothing matches what ``micro_pipeline_tp_pass`` looks for. Here
+each linear issues its own collectives, on FP8 data, next to ``aten._scaled_mm``:
+
+    column: x [.., S/R, .., K] (Shard(d) on the TP dim), w [N/R, K] (Shard(0))
+        amax(x), amax(w) all-reduced (MAX) over the TP group: one process's scales, one process's bytes
+        x8 = all_gather(quantize(x), d)          E4M3, 1 byte per element on the wire (half of bf16)
+        y [.., S, .., N/R] = reshape -> _scaled_mm(x8, w8) -> reshape        (fused_all_gather_scaled_matmul)
+      backward: dgrad [.., S, .., K] = _scaled_mm(g8, w8), reduce_scatter(d) -> dx [.., S/R, .., K];
+                wgrad [N/R, K] = g8ᵀ @ x8 (the gathered x8, saved)
+    row: x [.., S, .., K/R] (Shard(-1)), w [N, K/R] (Shard(1))
+        y [.., S/R, .., N] = reduce_scatter(reshape -> _scaled_mm(x8, w8) -> reshape, d)
+                                                                          (fused_scaled_matmul_reduce_scatter)
+      backward: g8 = all_gather(quantize(g), d) (E5M2 under HYBRID, its amax all-reduced first);
+                dgrad = _scaled_mm(g8, w8) [.., S, .., K/R]; wgrad = g8ᵀ @ x8
+
+The collectives are written as torch's functional collectives write them (``all_gather_tensor`` and
+``reduce_scatter_tensor`` with a non-zero dim: chunk and cat around the dim-0 collective), which is
+the form the pass's patterns describe. Gloo has no FP8 all-gather: there the bytes travel as uint8
+views, which the pass does not fuse (it needs NCCL and symmetric memory anyway); the numbers are the
+same. Where the pass does not fuse (no symmetric memory for the group), the collectives still run
+in FP8, before the GEMM.
+
+Current scaling only (Float8CurrentScaling); the passes leave other recipes on DTensor's path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+import torch
+
+from ..distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
+from ..gemm.per_tensor import column_major, scaled_mm
+from ..quantization import quantize_per_tensor
+from ..scaling import tensor_amax
+
+__all__ = ["AsyncTp", "async_tp_column", "async_tp_row", "all_gather_seq", "reduce_scatter_seq"]
+
+
+@dataclass(frozen=True)
+class AsyncTp:
+    """A site's async-TP form: ``kind`` "column" (all-gather in front) or "row" (reduce-scatter
+    behind), ``dim`` the sequence dim of x (non-negative, not the last), ``mesh_dim`` the TP dim."""
+
+    kind: str
+    dim: int
+    mesh_dim: int
+
+
+def _type_erased(group: AmaxGroup) -> bool:
+    """Whether FP8 must travel as uint8 on ``group``: gloo has no FP8 collectives."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return dist.get_backend(_resolve_process_group(group.name)) == "gloo"
+
+
+def all_gather_seq(x: torch.Tensor, dim: int, group: AmaxGroup) -> torch.Tensor:
+    """The ranks' ``x`` concatenated along ``dim`` (rank order), as funcol's ``all_gather_tensor``
+    computes it: a dim-0 all-gather, then its R chunks concatenated along ``dim``."""
+    fp8 = x.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) and _type_erased(group)
+    data = x.contiguous().view(torch.uint8) if fp8 else x.contiguous()
+    out = torch.ops._c10d_functional.all_gather_into_tensor.default(data, group.size, group.name)
+    out = torch.ops._c10d_functional.wait_tensor.default(out)
+    if dim != 0:
+        out = torch.cat(torch.chunk(out, group.size, dim=0), dim=dim)
+    return out.view(x.dtype) if fp8 else out
+
+
+def reduce_scatter_seq(y: torch.Tensor, dim: int, group: AmaxGroup) -> torch.Tensor:
+    """This rank's part along ``dim`` of the sum of the ranks' ``y``, as funcol's
+    ``reduce_scatter_tensor`` computes it: the R chunks along ``dim`` stacked on dim 0, then a dim-0
+    reduce-scatter."""
+    if dim != 0:
+        y = torch.cat(torch.chunk(y, group.size, dim=dim))
+    out = torch.ops._c10d_functional.reduce_scatter_tensor.default(y.contiguous(), "sum", group.size, group.name)
+    return torch.ops._c10d_functional.wait_tensor.default(out)
+
+
+def _mm(a8: torch.Tensor, b8_nk: torch.Tensor, a_sinv, b_sinv, out_dtype) -> torch.Tensor:
+    """a8 [..., K] @ b8_nk [N, K].T -> [..., N]: reshape, ``_scaled_mm``, reshape (the pass's ND form)."""
+    y = scaled_mm(a8.reshape(-1, a8.shape[-1]), b8_nk.t(), a_sinv, b_sinv, out_dtype)
+    return y.reshape(*a8.shape[:-1], b8_nk.shape[0])
+
+
+def _wgrad(g8: torch.Tensor, x8: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.Tensor:
+    """g8 [..., N]ᵀ @ x8 [..., K] -> [N, K] over every leading position."""
+    g2 = g8.reshape(-1, g8.shape[-1])
+    return scaled_mm(g2.t().contiguous(), column_major(x8.reshape(-1, x8.shape[-1])), g_sinv, x_sinv, dtype)
+
+
+class _Column(torch.autograd.Function):
+    """Column-parallel sites reading one sequence-sharded x: one FP8 all-gather of x for all of them
+    (ColwiseParallel's wq, wk, wv read one norm output), then a GEMM per weight. Backward: the sites'
+    dgrads summed, then one reduce-scatter."""
+
+    @staticmethod
+    def forward(ctx, x, recipe, dim, group, *ws):
+        amaxes = reduce_amaxes([tensor_amax(x), *map(tensor_amax, ws)], [(group,)] * (1 + len(ws)))
+        xq, x_sinv, _ = quantize_per_tensor(x, "input", recipe, None, amaxes[0])
+        x8 = all_gather_seq(xq, dim, group)
+        wqs, w_sinvs = [], []
+        for w, amax in zip(ws, amaxes[1:]):
+            wq, w_sinv, _ = quantize_per_tensor(w, "weight", recipe, None, amax)
+            wqs.append(wq.contiguous())
+            w_sinvs.append(w_sinv)
+        ctx.recipe, ctx.dim, ctx.group, ctx.dtypes = recipe, dim, group, (x.dtype, [w.dtype for w in ws])
+        ctx.save_for_backward(x8, x_sinv, *wqs, *w_sinvs)
+        return tuple(_mm(x8, wq, x_sinv, w_sinv, x.dtype) for wq, w_sinv in zip(wqs, w_sinvs))
+
+    @staticmethod
+    def backward(ctx, *gs):
+        x8, x_sinv, *rest = ctx.saved_tensors
+        wqs, w_sinvs = rest[:len(gs)], rest[len(gs):]
+        g_amaxes = reduce_amaxes(list(map(tensor_amax, gs)), [(ctx.group,)] * len(gs))   # each g is split along N
+        dx, dws = None, []
+        for i, (g, g_amax, wq, w_sinv) in enumerate(zip(gs, g_amaxes, wqs, w_sinvs)):
+            gq, g_sinv, _ = quantize_per_tensor(g, "grad_output", ctx.recipe, None, g_amax)
+            if ctx.needs_input_grad[0]:
+                part = _mm(gq, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0])
+                dx = part if dx is None else dx + part
+            dws.append(_wgrad(gq, x8, g_sinv, x_sinv, ctx.dtypes[1][i]) if ctx.needs_input_grad[4 + i] else None)
+        if dx is not None:
+            dx = reduce_scatter_seq(dx, ctx.dim, ctx.group)
+        return (dx, None, None, None, *dws)
+
+
+class _Row(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w, recipe, dim, group):
+        x_amax, w_amax = reduce_amaxes([tensor_amax(x), tensor_amax(w)], [(group,), (group,)])
+        xq, x_sinv, _ = quantize_per_tensor(x, "input", recipe, None, x_amax)
+        wq, w_sinv, _ = quantize_per_tensor(w, "weight", recipe, None, w_amax)
+        xq, wq = xq.contiguous(), wq.contiguous()
+        ctx.recipe, ctx.dim, ctx.group, ctx.dtypes = recipe, dim, group, (x.dtype, w.dtype)
+        ctx.save_for_backward(xq, x_sinv, wq, w_sinv)
+        return reduce_scatter_seq(_mm(xq, wq, x_sinv, w_sinv, x.dtype), dim, group)
+
+    @staticmethod
+    def backward(ctx, g):
+        xq, x_sinv, wq, w_sinv = ctx.saved_tensors
+        [g_amax] = reduce_amaxes([tensor_amax(g)], [(ctx.group,)])   # g is split along the sequence
+        gq, g_sinv, _ = quantize_per_tensor(g, "grad_output", ctx.recipe, None, g_amax)
+        g8 = all_gather_seq(gq, ctx.dim, ctx.group)
+        dx = _mm(g8, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
+        dw = _wgrad(g8, xq, g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        return dx, dw, None, None, None
+
+
+def async_tp_column(x, ws_nk, recipe, form: AsyncTp) -> list:
+    """x @ w.T for each DTensor weight ``w`` of ``ws_nk`` (each Shard(0) on the TP dim), x
+    sequence-sharded on it: one FP8 all-gather for all (module docstring). DTensors, Shard(-1)."""
+    from torch.distributed.tensor import Shard
+
+    mesh = ws_nk[0].device_mesh
+    group = mesh_dim_group(mesh, form.mesh_dim)
+    ys = _Column.apply(x.to_local(), recipe, form.dim, group, *(w.to_local() for w in ws_nk))
+    placements = list(x.placements)
+    placements[form.mesh_dim] = Shard(x.dim() - 1)
+    return [_global(y, x, w, mesh, placements) for y, w in zip(ys, ws_nk)]
+
+
+def async_tp_row(x, w_nk, recipe, form: AsyncTp):
+    """x @ w_nk.T, x Shard(-1) and w Shard(1) on the TP dim, reduce-scattered to Shard(dim) (module
+    docstring). A DTensor."""
+    from torch.distributed.tensor import Shard
+
+    mesh = w_nk.device_mesh
+    group = mesh_dim_group(mesh, form.mesh_dim)
+    y = _Row.apply(x.to_local(), w_nk.to_local(), recipe, form.dim, group)
+    placements = list(x.placements)
+    placements[form.mesh_dim] = Shard(form.dim)
+    return _global(y, x, w_nk, mesh, placements)
+
+
+def _global(y_local, x, w_nk, mesh, placements):
+    """``y_local`` as the DTensor [..., N] of x @ w_nk.T."""
+    from torch.distributed.tensor import DTensor
+
+    shape = torch.Size((*x.shape[:-1], w_nk.shape[0]))
+    return DTensor.from_local(y_local, mesh, placements, run_check=False, shape=shape,
+                              stride=torch.empty(shape, device="meta").stride())
