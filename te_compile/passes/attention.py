@@ -30,7 +30,7 @@ import torch
 import torch.fx as fx
 
 from ..config import ConfigError
-from ..distributed import is_dtensor
+from ..distributed import is_dtensor, minimal_groups
 from ..lowerings.attention import AttentionLowering, AttentionSpec, attention_grad_dtype
 from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
 from ..lowerings.kv_cache_attention import KvCacheAttentionLowering, KvCacheAttentionSpec
@@ -159,8 +159,23 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     why = _ineligibility(args)
     if why is None and args["attn_mask"] is not None:
         why = "an attn_mask (is_causal=True and no mask are supported)"
-    if why is None and (recipe is None or not recipe.float8_current_scaling()):
-        why = f"recipe {recipe.name if recipe is not None else 'none'} (Float8CurrentScaling is supported)"
+    if why is None and (recipe is None or not (recipe.float8_current_scaling() or recipe.delayed())):
+        why = f"recipe {recipe.name if recipe is not None else 'none'} (Float8CurrentScaling and DelayedScaling are supported)"
+    extra, scaling, history = [], "current-scaled per (batch, head) over the whole sequence", ""
+    if why is None and recipe.delayed():
+        found = _state_key(ctx, fqn)
+        if found is None:
+            scaling += " (no parameter in this graph to key delayed-scaling state on)"
+        else:
+            param, owner = found
+            # the state's amaxes are reduced over the context-parallel ranks whatever the amax group
+            groups = minimal_groups([*_amax_groups(ctx, recipe), group])
+            extra = ctx.delayed.attention_inputs(scope, param, owner, recipe, fqn,
+                                                 bool(getattr(value_of(node), "requires_grad", False)), groups)
+            if isinstance(extra, str):
+                why, extra = extra, []
+            else:
+                scaling, history = "per tensor with delayed scaling", "; " + ctx.history_reduction(groups, recipe)
     if why is not None:
         raise ConfigError(f"{ctx.config.source}: distributed.context_parallel = "
                           f"{ctx.config.distributed.context_parallel!r}, but the SDPA call in {fqn or '<root>'} "
@@ -170,12 +185,12 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     fp8_backward = recipe.fp8_dpa_backward == "fp8"
     spec = ContextParallelSpec(fqn, float(scale) if scale is not None else 1.0 / math.sqrt(d),
                                bool(args["is_causal"]), attention_grad_dtype(recipe) if fp8_backward else None,
-                               group, rank)
+                               group, rank, delayed=bool(extra))
     mode = "FP8 forward and backward" if fp8_backward else "FP8 forward, high-precision backward"
-    record(True, f"context parallel over {group}: {mode}; Q, K, V{', dO' if fp8_backward else ''} current-scaled "
-                 f"per (batch, head) over the whole sequence", recipe.name,
-           f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): Q, K, V, O")
-    _replace(scope.graph, node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"]))
+    record(True, f"context parallel over {group}: {mode}; Q, K, V{', dO' if fp8_backward else ''} {scaling}",
+           recipe.name, f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): "
+                        f"{'O' if extra else 'Q, K, V, O'}{history}")
+    _replace(scope.graph, node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"], *extra))
 
 
 def _sm_scale(args: dict) -> float:
