@@ -3,6 +3,8 @@ saved for the backward, and the error against fp32 SDPA, measured side by side i
 
     python benchmarks/bench_attention.py                          # CPU: 2x8x512x64, causal, fp32
     python benchmarks/bench_attention.py --device cuda            # the goal's shape: 4x32x4096x128, bf16
+    python benchmarks/bench_attention.py --cp 2                   # context parallel: 2 spawned gloo ranks (CPU)
+    torchrun --nproc-per-node 2 benchmarks/bench_attention.py --cp 2 --device cuda   # a GPU per rank
 
 Providers: ``sdpa`` (torch.compile with inductor: torch's flash / math SDPA), ``te fp8 (hp bwd)`` and
 ``te fp8 (fp8 bwd)`` (torch.compile(backend="te") with ``fp8_dpa``), and on CUDA with the
@@ -10,6 +12,12 @@ FlashAttention-3 package installed torch's experimental FP8 forward
 (``_scaled_dot_product_attention_quantized``, forward only, fed the same E4M3 Q, K, V and descales).
 The te rows include the per-(batch, head) quantization of Q, K, V in their time, as a model pays it.
 On CPU the te rows run the pure-torch emulation: their times say nothing about a GPU.
+
+``--cp N``: te's context-parallel FP8 attention (``[distributed] context_parallel``) over N ranks, each
+holding its load-balanced slice of the sequence, in both backward modes: rank 0's forward and step
+times, the SQNR of the gathered output against fp32 SDPA on the whole sequence, and the bytes each
+rank all-gathers per step (K and V in FP8, and their positions) against the same K and V in bf16
+(goal <= 0.55x), beside the dK, dV bytes it reduce-scatters.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 
 import te_compile
+from te_compile.distributed import mesh_dim_group
 from te_compile.kernels.fp8_attention import quantize_heads
 
 
@@ -89,13 +98,129 @@ def _fa3_forward(causal: bool):
     return run
 
 
+def _cp_run(rank: int, world: int, device: torch.device, args) -> None:
+    """One rank of ``--cp``: the table on rank 0."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    import te_compile.lowerings.context_parallel_attention as cpa
+
+    cuda = device.type == "cuda"
+    b, h, t, d = (int(v) for v in (args.shape or ("1x32x16384x128" if cuda else "1x4x512x64")).split("x"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    iters = args.iters or (20 if cuda else 3)
+    mesh = init_device_mesh(device.type, (world,), mesh_dim_names=("cp",))
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(b, h, t, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
+    do_full = torch.randn(b, h, t, d, generator=gen).to(device=device, dtype=dtype)
+    ref = F.scaled_dot_product_attention(*(x.float() for x in full), is_causal=True)
+    pos = cpa.load_balanced_positions(t, rank, world).to(device)
+    q, k, v = (x[:, :, pos].clone().requires_grad_() for x in full)
+    do = do_full[:, :, pos]
+    moved = {"gathered": 0, "scattered": 0}
+    gather, scatter = cpa._gather_seq, cpa._reduce_scatter_seq
+
+    def counting(real, key):
+        def count(x, group):
+            moved[key] += x.numel() * x.element_size() * (group.size if key == "gathered" else 1)
+            return real(x, group)
+        return count
+
+    rows = []
+    for mode in ("high_precision", "fp8"):
+        torch._dynamo.reset()
+        te_compile.reset()
+        fn = torch.compile(Attention(True), backend=te_compile.backend(
+            recipe="Float8CurrentScaling", fp8_dpa=True, fp8_dpa_backward=mode, compiler=args.compiler,
+            distributed={"context_parallel": "cp"}, mesh=mesh))
+        with torch.no_grad():
+            fwd = _median_ms(lambda: fn(q, k, v), device, 2, iters)
+        step = _median_ms(lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do), device, 2, iters)
+        # the bytes of one step, counted on the op run eagerly (the compiled graph calls the same code)
+        cpa._gather_seq, cpa._reduce_scatter_seq = counting(gather, "gathered"), counting(scatter, "scattered")
+        moved.update(gathered=0, scattered=0)
+        try:
+            o = cpa.ContextParallelAttention.apply(q, k, v, pos, mesh_dim_group(mesh, 0), True, d ** -0.5,
+                                                   torch.float8_e5m2 if mode == "fp8" else None)
+            torch.autograd.grad(o, (q, k, v), do)
+        finally:
+            cpa._gather_seq, cpa._reduce_scatter_seq = gather, scatter
+        parts = [torch.empty_like(o) for _ in range(world)]
+        dist.all_gather(parts, o.detach().contiguous())
+        every = torch.cat([cpa.load_balanced_positions(t, r, world) for r in range(world)]).to(device)
+        out = torch.empty_like(ref)
+        out[:, :, every] = torch.cat(parts, dim=2).float()
+        kv_bf16 = 2 * b * k.shape[1] * t * d * 2   # K and V of the whole sequence at 2 bytes an element
+        rows.append([f"te fp8 CP={world} ({'hp' if mode == 'high_precision' else 'fp8'} bwd)", f"{fwd:.3f}",
+                     f"{step:.3f}", f"{_sqnr(ref, out):.1f}", f"{moved['gathered'] / 2**20:.3f}",
+                     f"{kv_bf16 / 2**20:.3f}", f"{moved['gathered'] / kv_bf16:.2f}x",
+                     f"{moved['scattered'] / 2**20:.3f}"])
+    if rank == 0:
+        where = torch.cuda.get_device_name(device) if cuda else "CPU (pure-torch emulation)"
+        print(f"\ncontext-parallel attention {b}x{h}x{t}x{d} causal over {world} ranks, {str(dtype)[6:]}, {where}, "
+              f"torch {torch.__version__}, median of {iters} on rank 0")
+        print(tabulate(rows, headers=["provider", "fwd ms", "fwd+bwd ms", "SQNR vs fp32 (dB)", "gathered MiB",
+                                      "K, V in bf16 MiB", "vs bf16", "reduce-scattered MiB"],
+                       disable_numparse=True))
+
+
+def _cp_worker(rank: int, world: int, port: int, args) -> None:
+    import os
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        _cp_run(rank, world, torch.device("cpu"), args)
+    finally:
+        dist.destroy_process_group()
+
+
+def _cp_main(args) -> None:
+    import os
+    import socket
+
+    import torch.distributed as dist
+
+    if "WORLD_SIZE" in os.environ:   # torchrun
+        cuda = args.device == "cuda"
+        dist.init_process_group("nccl" if cuda else "gloo")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+        if cuda:
+            torch.cuda.set_device(device)
+        if dist.get_world_size() != args.cp:
+            raise SystemExit(f"--cp {args.cp} needs {args.cp} ranks, torchrun started {dist.get_world_size()}")
+        _cp_run(dist.get_rank(), args.cp, device, args)
+        dist.destroy_process_group()
+        return
+    if args.device == "cuda":
+        raise SystemExit("--cp on CUDA: launch with torchrun --nproc-per-node N (a GPU per rank)")
+    import torch.multiprocessing as mp
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_cp_worker, args=(args.cp, port, args), nprocs=args.cp, join=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--shape", help="BxHxTxD (default: 4x32x4096x128 on CUDA, 2x8x512x64 on CPU)")
     parser.add_argument("--no-causal", action="store_true")
     parser.add_argument("--iters", type=int, help="timed iterations (default: 20 on CUDA, 3 on CPU)")
+    parser.add_argument("--cp", type=int, default=0, metavar="N",
+                        help="context parallel over N ranks (default shape: 1x32x16384x128 CUDA, 1x4x512x64 CPU)")
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
+                        help="te's final compiler for --cp (default: inductor)")
     args = parser.parse_args()
+    if args.cp:
+        if args.cp < 2:
+            raise SystemExit(f"--cp must be >= 2, got {args.cp}")
+        _cp_main(args)
+        return
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     b, h, t, d = (int(v) for v in (args.shape or ("4x32x4096x128" if cuda else "2x8x512x64")).split("x"))
