@@ -132,11 +132,19 @@ def test_without_symmetric_memory_the_collectives_stay_apart(tp_mesh):
     assert [n.args[0].meta["val"].dtype for n in gathers] == [torch.float8_e4m3fn] * 2
 
 
-@pytest.mark.parametrize("recipe, words", [
-    ("MXFP8BlockScaling", "async TP not applied: block-scaled recipes scale per block"),
-    ("DelayedScaling", "async TP not applied: DelayedScaling (async TP is built for Float8CurrentScaling)")])
-def test_sites_the_pass_cannot_fuse_say_why(tp_mesh, recipe, words):
-    # MXFP8 blocks of 32 along N and K: each rank's shards of a 64-wide block are
-    fused, _, rows = _run(tp_mesh, {"recipe": recipe, "distributed": {"async_tp": True}}, backward=False, dim=64)
+def test_delayed_scaling_sites_gather_apart(tp_mesh):
+    """DelayedScaling quantizes x with each site's own input scale, so wq, wk, wv gather their own
+    bytes: 5 fused gathers forward, and each column site's dgrad fused with its reduce-scatter."""
+    fused, _, rows = _run(tp_mesh, {"recipe": "DelayedScaling", "distributed": {"async_tp": True}})
+    assert fused == [Counter({GATHER_MM: 5, MM_SCATTER: 2}), Counter({MM_SCATTER: 5, GATHER_MM: 2})], fused
+    assert len(rows) == 7 and all("async TP:" in r.reason for r in rows)
+    assert all(r.collectives.startswith("amax history all-reduce over tp (2 ranks)") for r in rows), rows[0].collectives
+
+
+def test_block_scaled_sites_say_why_not(tp_mesh):
+    # MXFP8 scales blocks of 32 along N and K: each rank's shards of a 64-wide block are whole blocks
+    fused, _, rows = _run(tp_mesh, {"recipe": "MXFP8BlockScaling", "distributed": {"async_tp": True}},
+                          backward=False, dim=64)
     assert fused == [Counter()]
+    words = "async TP not applied: block-scaled recipes scale per block"
     assert len(rows) == 7 and all(words in r.reason for r in rows), [r.reason for r in rows]

@@ -25,7 +25,9 @@ views, which the pass does not fuse (it needs NCCL and symmetric memory anyway);
 same. Where the pass does not fuse (no symmetric memory for the group), the collectives still run
 in FP8, before the GEMM.
 
-Current scaling only (Float8CurrentScaling); the passes leave other recipes on DTensor's path.
+Per-tensor recipes: Float8CurrentScaling all-reduces the amaxes before quantizing; DelayedScaling
+quantizes with its state's scales and leaves the amaxes to the graph's update, which reduces them
+over the TP dim among its groups. The passes leave block-scaled recipes on DTensor's path.
 """
 
 from __future__ import annotations
@@ -35,8 +37,9 @@ import torch
 
 from ..distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
 from ..gemm.per_tensor import column_major, scaled_mm
-from ..quantization import quantize_per_tensor
+from ..quantization import quantize_per_tensor, weight_is_operand
 from ..scaling import tensor_amax
+from .fp8_linear import quantize_weight
 
 __all__ = ["AsyncTp", "async_tp_column", "async_tp_row", "all_gather_seq", "reduce_scatter_seq"]
 
@@ -93,85 +96,122 @@ def _wgrad(g8: torch.Tensor, x8: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.T
     return scaled_mm(g2.t().contiguous(), column_major(x8.reshape(-1, x8.shape[-1])), g_sinv, x_sinv, dtype)
 
 
+def _operands(x, ws, recipe, group, x_scale, w_scale):
+    """The forward's FP8 operands: (xq, x_sinv, [wq], [w_sinv], this rank's amaxes [x, w] for
+    DelayedScaling's carrier or None). Current scaling all-reduces the amaxes over ``group`` first (a
+    weight that arrives quantized, FSDP2's FP8 all-gather, brings its whole scale); DelayedScaling
+    quantizes with the state's scales and keeps the local amaxes, which its update reduces."""
+    w_amaxes = [None if weight_is_operand(w, recipe) else tensor_amax(w) for w in ws]
+    x_amax = tensor_amax(x)
+    if x_scale is None:
+        present = [i for i, a in enumerate(w_amaxes) if a is not None]
+        reduced = reduce_amaxes([x_amax, *(w_amaxes[i] for i in present)], [(group,)] * (1 + len(present)))
+        x_amax = reduced[0]
+        for i, amax in zip(present, reduced[1:]):
+            w_amaxes[i] = amax
+    xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, x_amax)
+    wqs, w_sinvs, recorded = [], [], None
+    for w, amax in zip(ws, w_amaxes):
+        wq, w_sinv, amax = quantize_weight(w, recipe, w_scale, amax)
+        wqs.append(wq.contiguous())
+        w_sinvs.append(w_sinv)
+        if x_scale is not None:
+            recorded = torch.cat([x_amax, amax])
+    return xq, x_sinv, wqs, w_sinvs, recorded
+
+
+def _grad_operand(g, recipe, group, g_scale):
+    """(gq, g_sinv, this rank's amax [1]) of a gradient split over ``group``: its amax all-reduced
+    under current scaling, the state's scale under DelayedScaling."""
+    amax = tensor_amax(g)
+    if g_scale is None:
+        [amax] = reduce_amaxes([amax], [(group,)])
+    gq, g_sinv, amax = quantize_per_tensor(g, "grad_output", recipe, g_scale, amax)
+    return gq, g_sinv, amax
+
+
 class _Column(torch.autograd.Function):
     """Column-parallel sites reading one sequence-sharded x: one FP8 all-gather of x for all of them
     (ColwiseParallel's wq, wk, wv read one norm output), then a GEMM per weight. Backward: the sites'
-    dgrads summed, then one reduce-scatter."""
+    dgrads summed, then one reduce-scatter. DelayedScaling (one site: x's scale is the site's own)
+    passes ``carrier`` and the input, weight and grad_output scales, as Fp8LinearFunction takes them;
+    current scaling passes None for all four."""
 
     @staticmethod
-    def forward(ctx, x, recipe, dim, group, *ws):
-        amaxes = reduce_amaxes([tensor_amax(x), *map(tensor_amax, ws)], [(group,)] * (1 + len(ws)))
-        xq, x_sinv, _ = quantize_per_tensor(x, "input", recipe, None, amaxes[0])
-        x8 = all_gather_seq(xq, dim, group)
-        wqs, w_sinvs = [], []
-        for w, amax in zip(ws, amaxes[1:]):
-            wq, w_sinv, _ = quantize_per_tensor(w, "weight", recipe, None, amax)
-            wqs.append(wq.contiguous())
-            w_sinvs.append(w_sinv)
+    def forward(ctx, x, recipe, dim, group, carrier, x_scale, w_scale, g_scale, *ws):
+        xq, x_sinv, wqs, w_sinvs, recorded = _operands(x, ws, recipe, group, x_scale, w_scale)
+        x8 = all_gather_seq(xq.contiguous(), dim, group)
         ctx.recipe, ctx.dim, ctx.group, ctx.dtypes = recipe, dim, group, (x.dtype, [w.dtype for w in ws])
-        ctx.save_for_backward(x8, x_sinv, *wqs, *w_sinvs)
+        ctx.delayed = recorded is not None
+        ctx.save_for_backward(x8, x_sinv, *wqs, *w_sinvs, *((recorded, g_scale) if ctx.delayed else ()))
         return tuple(_mm(x8, wq, x_sinv, w_sinv, x.dtype) for wq, w_sinv in zip(wqs, w_sinvs))
 
     @staticmethod
     def backward(ctx, *gs):
         x8, x_sinv, *rest = ctx.saved_tensors
-        wqs, w_sinvs = rest[:len(gs)], rest[len(gs):]
-        g_amaxes = reduce_amaxes(list(map(tensor_amax, gs)), [(ctx.group,)] * len(gs))   # each g is split along N
-        dx, dws = None, []
-        for i, (g, g_amax, wq, w_sinv) in enumerate(zip(gs, g_amaxes, wqs, w_sinvs)):
-            gq, g_sinv, _ = quantize_per_tensor(g, "grad_output", ctx.recipe, None, g_amax)
+        n = len(gs)
+        wqs, w_sinvs, delayed = rest[:n], rest[n:2 * n], rest[2 * n:]
+        g_scale = delayed[1] if delayed else None
+        dx, dws, g_amax = None, [], None
+        for i, (g, wq, w_sinv) in enumerate(zip(gs, wqs, w_sinvs)):
+            gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, g_scale)   # g is split along N
             if ctx.needs_input_grad[0]:
                 part = _mm(gq, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0])
                 dx = part if dx is None else dx + part
-            dws.append(_wgrad(gq, x8, g_sinv, x_sinv, ctx.dtypes[1][i]) if ctx.needs_input_grad[4 + i] else None)
+            dws.append(_wgrad(gq, x8, g_sinv, x_sinv, ctx.dtypes[1][i]) if ctx.needs_input_grad[8 + i] else None)
         if dx is not None:
             dx = reduce_scatter_seq(dx, ctx.dim, ctx.group)
-        return (dx, None, None, None, *dws)
+        carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[4] else None
+        return (dx, None, None, None, carrier_grad, None, None, None, *dws)
 
 
 class _Row(torch.autograd.Function):
+    """A row-parallel site whose output is reduce-scattered along the sequence; delayed arguments as
+    _Column's."""
+
     @staticmethod
-    def forward(ctx, x, w, recipe, dim, group):
-        x_amax, w_amax = reduce_amaxes([tensor_amax(x), tensor_amax(w)], [(group,), (group,)])
-        xq, x_sinv, _ = quantize_per_tensor(x, "input", recipe, None, x_amax)
-        wq, w_sinv, _ = quantize_per_tensor(w, "weight", recipe, None, w_amax)
-        xq, wq = xq.contiguous(), wq.contiguous()
+    def forward(ctx, x, w, recipe, dim, group, carrier, x_scale, w_scale, g_scale):
+        xq, x_sinv, [wq], [w_sinv], recorded = _operands(x, [w], recipe, group, x_scale, w_scale)
+        xq = xq.contiguous()
         ctx.recipe, ctx.dim, ctx.group, ctx.dtypes = recipe, dim, group, (x.dtype, w.dtype)
-        ctx.save_for_backward(xq, x_sinv, wq, w_sinv)
+        ctx.delayed = recorded is not None
+        ctx.save_for_backward(xq, x_sinv, wq, w_sinv, *((recorded, g_scale) if ctx.delayed else ()))
         return reduce_scatter_seq(_mm(xq, wq, x_sinv, w_sinv, x.dtype), dim, group)
 
     @staticmethod
     def backward(ctx, g):
-        xq, x_sinv, wq, w_sinv = ctx.saved_tensors
-        [g_amax] = reduce_amaxes([tensor_amax(g)], [(ctx.group,)])   # g is split along the sequence
-        gq, g_sinv, _ = quantize_per_tensor(g, "grad_output", ctx.recipe, None, g_amax)
-        g8 = all_gather_seq(gq, ctx.dim, ctx.group)
+        xq, x_sinv, wq, w_sinv, *delayed = ctx.saved_tensors
+        gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, delayed[1] if delayed else None)
+        g8 = all_gather_seq(gq.contiguous(), ctx.dim, ctx.group)   # g is split along the sequence
         dx = _mm(g8, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
         dw = _wgrad(g8, xq, g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
-        return dx, dw, None, None, None
+        carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[5] else None
+        return dx, dw, None, None, None, carrier_grad, None, None, None
 
 
-def async_tp_column(x, ws_nk, recipe, form: AsyncTp) -> list:
+def async_tp_column(x, ws_nk, recipe, form: AsyncTp, delayed: tuple = ()) -> list:
     """x @ w.T for each DTensor weight ``w`` of ``ws_nk`` (each Shard(0) on the TP dim), x
-    sequence-sharded on it: one FP8 all-gather for all (module docstring). DTensors, Shard(-1)."""
+    sequence-sharded on it: one FP8 all-gather for all (module docstring). DTensors, Shard(-1).
+    ``delayed``: DelayedScaling's (carrier, input, weight, grad_output scales) of a single site."""
     from torch.distributed.tensor import Shard
 
     mesh = ws_nk[0].device_mesh
     group = mesh_dim_group(mesh, form.mesh_dim)
-    ys = _Column.apply(x.to_local(), recipe, form.dim, group, *(w.to_local() for w in ws_nk))
+    ys = _Column.apply(x.to_local(), recipe, form.dim, group, *(delayed or (None,) * 4),
+                       *(w.to_local() for w in ws_nk))
     placements = list(x.placements)
     placements[form.mesh_dim] = Shard(x.dim() - 1)
     return [_global(y, x, w, mesh, placements) for y, w in zip(ys, ws_nk)]
 
 
-def async_tp_row(x, w_nk, recipe, form: AsyncTp):
+def async_tp_row(x, w_nk, recipe, form: AsyncTp, delayed: tuple = ()):
     """x @ w_nk.T, x Shard(-1) and w Shard(1) on the TP dim, reduce-scattered to Shard(dim) (module
-    docstring). A DTensor."""
+    docstring). A DTensor. ``delayed`` as async_tp_column's."""
     from torch.distributed.tensor import Shard
 
     mesh = w_nk.device_mesh
     group = mesh_dim_group(mesh, form.mesh_dim)
-    y = _Row.apply(x.to_local(), w_nk.to_local(), recipe, form.dim, group)
+    y = _Row.apply(x.to_local(), w_nk.to_local(), recipe, form.dim, group, *(delayed or (None,) * 4))
     placements = list(x.placements)
     placements[form.mesh_dim] = Shard(form.dim)
     return _global(y, x, w_nk, mesh, placements)

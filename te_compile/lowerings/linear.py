@@ -113,8 +113,8 @@ class LinearLowering:
         plan = plan_linear_sharding(x, w_nk, self.spec.fqn)
         form = self.spec.async_tp
         if plan is not None and form is not None:
-            y = (async_tp_column(x, [w_nk], self.spec.recipe, form)[0] if form.kind == "column"
-                 else async_tp_row(x, w_nk, self.spec.recipe, form))
+            y = (async_tp_column(x, [w_nk], self.spec.recipe, form, delayed)[0] if form.kind == "column"
+                 else async_tp_row(x, w_nk, self.spec.recipe, form, delayed))
         elif plan is None:
             y = self._local(x, w_nk, delayed, self.spec.amax_groups)
         else:

@@ -11,10 +11,12 @@ takes the form when, on that dim:
             not the last dim, that RowwiseParallel's output hook (output_layouts=Shard(1)) adds; the
             lowering then returns that placement itself and the redistribute goes
 
-Current scaling only. Everything else keeps DTensor's collectives, with the reason in the report.
+Per-tensor recipes (Float8CurrentScaling, DelayedScaling). Everything else keeps DTensor's
+collectives, with the reason in the report.
 
-Column-parallel sites reading the same sharded x with one recipe (wq, wk, wv) are then called together
-(``column_groups``), so that x is gathered once.
+Column-parallel Float8CurrentScaling sites reading the same sharded x (wq, wk, wv) are then called
+together (``column_groups``), so that x is gathered once; DelayedScaling quantizes x with each site's
+own scale, so its sites gather apart.
 """
 
 from __future__ import annotations
@@ -68,9 +70,10 @@ def async_tp_form(site: LinearSite, recipe) -> tuple[Optional[AsyncTp], Optional
         return None, None, None, ""
     if site.weight_in_out or site.weight_first or site.expert is not None:
         return None, None, None, "async TP not applied: the weight is not read as linear's [N, K]"
-    if not recipe.float8_current_scaling():
+    if not (recipe.float8_current_scaling() or recipe.delayed()):
         kind = "block-scaled recipes scale per block, and the pass fuses per-tensor _scaled_mm only" \
-            if recipe.block_format is not None else f"{recipe.name} (async TP is built for Float8CurrentScaling)"
+            if recipe.block_format is not None else \
+            f"{recipe.name} (async TP is built for Float8CurrentScaling and DelayedScaling)"
         return None, None, None, f"async TP not applied: {kind}"
     i, why = _tp_dim(x, w)
     if i is None:
@@ -110,7 +113,8 @@ def column_groups(planned: list) -> list[list[int]]:
     by_source: dict = {}
     for i, (site, lowering, _, _, x_node, _) in enumerate(planned):
         form = lowering.spec.async_tp
-        if form is None or form.kind != "column" or site.node in read:
+        # DelayedScaling quantizes x with each site's own input scale: no shared bytes to gather
+        if form is None or form.kind != "column" or site.node in read or lowering.spec.recipe.delayed():
             continue
         key = (x_node, form, lowering.spec.recipe)
         by_source.setdefault(key, []).append(i)

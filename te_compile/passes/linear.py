@@ -106,16 +106,16 @@ def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra:
         graph.erase_node(absorbed)
 
 
-def _async_tp_collectives(site: LinearSite, form) -> str:
-    """The report's collectives for an async-TP site."""
+def _async_tp_collectives(site: LinearSite, form, history: str = "") -> str:
+    """The report's collectives for an async-TP site; ``history``: DelayedScaling's history reduction
+    (its amaxes are not all-reduced at the site)."""
     from ..distributed import mesh_dim_group
 
     group = mesh_dim_group(site.weight.meta["example_value"].device_mesh, form.mesh_dim)
+    amaxes = history or f"amax all-reduce (MAX) over {group}: input, weight, grad_output"
     if form.kind == "column":
-        return (f"amax all-reduce (MAX) over {group}: input, weight, grad_output; all-gather over {group}: x in "
-                f"FP8; reduce-scatter: dx")
-    return (f"amax all-reduce (MAX) over {group}: input, weight, grad_output; reduce-scatter over {group}: y; "
-            f"all-gather over {group}: grad_output in FP8")
+        return f"{amaxes}; all-gather over {group}: x in FP8; reduce-scatter: dx"
+    return f"{amaxes}; reduce-scatter over {group}: y; all-gather over {group}: grad_output in FP8"
 
 
 def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
@@ -170,7 +170,8 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
         if async_tp_enabled(config) and is_dtensor(site.weight.meta.get("example_value")):
             form, x_node, absorbed, note = async_tp_form(site, recipe)
             why += f"; {note}" if note else ""
-            collectives = _async_tp_collectives(site, form) if form is not None else collectives
+            if form is not None:
+                collectives = _async_tp_collectives(site, form, collectives if recipe.delayed() else "")
         spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise, form)
         planned.append((site, LinearLowering(spec), extra, cached, x_node, absorbed))
         device = getattr(site.weight.meta.get("example_value"), "device", None)
