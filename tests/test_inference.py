@@ -312,6 +312,27 @@ def test_trained_llama_decodes_with_one_scale_per_token(trained_llama):
     _tokens_match_or_near_tie(out.sequences, high, ref)
 
 
+def test_module_compile_generates_in_fp8():
+    """``model.compile(backend="te")`` (nn.Module.compile) with a static cache: generate() calls the
+    compiled module, two graphs, every linear on its cached FP8 weight."""
+    from torch._dynamo.utils import counters
+
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.pad_token_id = 0
+    torch._dynamo.reset()
+    te_compile.reset()
+    model.compile(backend="te", fullgraph=True, options={"recipe": "Float8CurrentScaling", "compiler": "aot_eager"})
+    counters.clear()
+    ids = torch.randint(0, 128, (4, 8))
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=8, do_sample=False)
+    assert out.shape == (4, 16) and counters["stats"]["unique_graphs"] == 2
+    rows = [r for r in te_compile.report().sites if r.op == "linear"]
+    assert {r.graph for r in rows} == {0, 1} and all(r.rewritten and "cached across calls" in r.reason for r in rows)
+
+
 @pytest.fixture
 def cache_reads(monkeypatch):
     """What reads the FP8 cache during a generation: "dequantized" per copy made for SDPA, and the
