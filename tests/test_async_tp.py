@@ -148,3 +148,4 @@ def test_block_scaled_sites_say_why_not(tp_mesh):
     assert fused == [Counter()]
     words = "async TP not applied: block-scaled recipes scale per block"
     assert len(rows) == 7 and all(words in r.reason for r in rows), [r.reason for r in rows]
+

@@ -15,7 +15,7 @@ each linear issues its own collectives, on FP8 data, next to ``aten._scaled_mm``
     row: x [.., S, .., K/R] (Shard(-1)), w [N, K/R] (Shard(1))
         y [.., S/R, .., N] = reduce_scatter(reshape -> _scaled_mm(x8, w8) -> reshape, d)
                                                                           (fused_scaled_matmul_reduce_scatter)
-      backward: g8 = all_gather(quantize(g), d) (E5M2 under HYBRID, its amax all-reduced first);
+      backward: g8 = all_gather(quantize(g), d) (E5M2 under HYBRID; current scaling all-reduces its amax first);
                 dgrad = _scaled_mm(g8, w8) [.., S, .., K/R]; wgrad = g8ᵀ @ x8
 
 The collectives are written as torch's functional collectives write them (``all_gather_tensor`` and
@@ -33,6 +33,7 @@ over the TP dim among its groups. The passes leave block-scaled recipes on DTens
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 import torch
 
 from ..distributed import AmaxGroup, mesh_dim_group, reduce_amaxes

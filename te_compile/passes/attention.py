@@ -70,6 +70,9 @@ def _ineligibility(args: dict) -> Optional[str]:
     if any(t.is_nested for t in (q, k, v)):
         return "nested (jagged) inputs"
     if any(is_dtensor(t) for t in (q, k, v)):
+        if any(p.is_shard() and p.dim % t.dim() == 2 for t in (q, k, v) if is_dtensor(t) for p in t.placements):
+            return ("DTensor inputs split along the sequence: torch's context_parallel runs this call (te's FP8 "
+                    "context parallelism is [distributed] context_parallel)")
         return "DTensor inputs"
     if not (q.dim() == k.dim() == v.dim() == 4):
         return f"q, k, v must be 4-D [B, H, T, D], got {q.dim()}-D, {k.dim()}-D, {v.dim()}-D"
