@@ -189,7 +189,8 @@ def fp8_attention_backward_reference(
     operands and descales, its output ``o`` (any dtype) and ``lse`` [B, H, Tq]. ``fp8_grads``: the
     "fp8" mode of the module docstring, ``grad_dtype`` the format of dO and dS, ``do_scale`` dO's
     delayed-scaling scale (fp32 [1]; None: current scaling per (batch, head)). ``return_ds``: also dS
-    [B, H, Tq, Tk] in fp32 (before the "fp8" mode rounds it), the gradient of an additive mask."""
+    [B, H, Tq, Tk] in fp32, the gradient of an additive mask (the high-precision backward's in both
+    modes)."""
     h, tq, tk = q8.shape[1], q8.shape[2], k8.shape[2]
     group = h // k8.shape[1]
     # the forward's scores, in the forward's order of operations
@@ -226,6 +227,10 @@ def fp8_attention_backward_reference(
     kd = k_descale.repeat_interleave(group, dim=1)
     dq = (ds8 @ k8f) * (ds_descale * kd * sm_scale)[..., None, None]
     dk = (ds8.transpose(-2, -1) @ q8f) * (ds_descale * q_descale * sm_scale)[..., None, None]
+    if return_ds:
+        # the mask's gradient feeds no FP8 GEMM, so it takes neither rounding that only serves one (dO in
+        # the gradient format, dS's cast): it is the high-precision backward's dS, bit for bit
+        ds = p * (do32 @ dequantize_heads(v8, v_descale, group).transpose(-2, -1) - delta)
     return (dq, _per_kv_head(dk, group), _per_kv_head(dv, group), *((ds,) if return_ds else ()))
 
 
