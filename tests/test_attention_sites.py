@@ -349,3 +349,42 @@ def test_t5_encoder_learns_its_position_bias_through_fp8_attention(backward):
     assert_sqnr_at_least(dict(ref.named_parameters())[name].grad, dict(model.named_parameters())[name].grad,
                          20.0, name)
 
+
+def test_sdpa_on_dtensors_split_along_the_sequence_is_left_to_torchs_context_parallel():
+    """torch's context_parallel hands SDPA q, k, v as DTensors sharded along the sequence (dim 2): te
+    leaves such a call as SDPA and says why; other DTensor inputs (here sharded by head) too. One process
+    plays rank 0 of a fake 2-rank world. Dynamo cannot trace a DTensor SDPA on a CPU (no sharding rule
+    for the CPU op), so te's passes run on the graph Dynamo would give them, built by hand."""
+    import torch.distributed as dist
+
+    if not dist.is_available():
+        pytest.skip("needs torch.distributed")
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from te_compile.config import resolve_config
+    from te_compile.passes import run_passes
+
+    config = resolve_config({"recipe": "Float8CurrentScaling", "rewrite": {"sdpa": True}})
+    reasons = {}
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("cp",))
+        for dim in (2, 1):
+            x = DTensor.from_local(torch.randn(1, 2, 8, 16), mesh, [Shard(dim)], run_check=False)
+            graph = torch.fx.Graph()
+            q, k, v = (graph.placeholder(n) for n in "qkv")
+            out = graph.call_function(torch._C._nn.scaled_dot_product_attention, (q, k, v), {"is_causal": True})
+            graph.output(out)
+            for node in (q, k, v, out):
+                node.meta["example_value"] = x
+            [row] = [r for r in run_passes(torch.fx.GraphModule({}, graph), [x, x, x], config).records
+                     if r.op == "sdpa"]
+            assert not row.rewritten, row
+            reasons[dim] = row.reason
+    finally:
+        dist.destroy_process_group()
+    assert reasons == {2: "DTensor inputs split along the sequence: torch's context_parallel runs this call (te's "
+                          "FP8 context parallelism is [distributed] context_parallel) (left in high precision)",
+                       1: "DTensor inputs (left in high precision)"}, reasons
