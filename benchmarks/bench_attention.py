@@ -100,7 +100,6 @@ def _fa3_forward(causal: bool):
 
 def _cp_run(rank: int, world: int, device: torch.device, args) -> None:
     """One rank of ``--cp``: the table on rank 0."""
-    import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
     import te_compile.lowerings.context_parallel_attention as cpa
@@ -114,9 +113,9 @@ def _cp_run(rank: int, world: int, device: torch.device, args) -> None:
     full = [torch.randn(b, h, t, d, generator=gen).to(device=device, dtype=dtype) for _ in range(3)]
     do_full = torch.randn(b, h, t, d, generator=gen).to(device=device, dtype=dtype)
     ref = F.scaled_dot_product_attention(*(x.float() for x in full), is_causal=True)
-    pos = cpa.load_balanced_positions(t, rank, world).to(device)
-    q, k, v = (x[:, :, pos].clone().requires_grad_() for x in full)
-    do = do_full[:, :, pos]
+    pos = te_compile.load_balanced_positions(t, rank, world).to(device)
+    q, k, v, do = te_compile.context_parallel_shard(mesh, [*full, do_full], seq_dims=[2] * 4)
+    q, k, v = (x.requires_grad_() for x in (q, k, v))
     moved = {"gathered": 0, "scattered": 0}
     gather, scatter = cpa._gather_seq, cpa._reduce_scatter_seq
 
@@ -145,11 +144,7 @@ def _cp_run(rank: int, world: int, device: torch.device, args) -> None:
             torch.autograd.grad(o, (q, k, v), do)
         finally:
             cpa._gather_seq, cpa._reduce_scatter_seq = gather, scatter
-        parts = [torch.empty_like(o) for _ in range(world)]
-        dist.all_gather(parts, o.detach().contiguous())
-        every = torch.cat([cpa.load_balanced_positions(t, r, world) for r in range(world)]).to(device)
-        out = torch.empty_like(ref)
-        out[:, :, every] = torch.cat(parts, dim=2).float()
+        [out] = te_compile.context_parallel_unshard(mesh, [o.float()], seq_dims=[2])
         kv_bf16 = 2 * b * k.shape[1] * t * d * 2   # K and V of the whole sequence at 2 bytes an element
         rows.append([f"te fp8 CP={world} ({'hp' if mode == 'high_precision' else 'fp8'} bwd)", f"{fwd:.3f}",
                      f"{step:.3f}", f"{_sqnr(ref, out):.1f}", f"{moved['gathered'] / 2**20:.3f}",

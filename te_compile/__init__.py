@@ -12,6 +12,7 @@ from .report import Report, SiteRecord, report, reset
 from .state import load_recipe_state_dict, recipe_state_dict
 from .lowerings.delayed_state import advance_delayed_state
 from .fsdp import enable_fp8_all_gather
+from .context_parallel import context_parallel_shard, context_parallel_unshard, load_balanced_positions
 from .calibration import calibrate
 from .kv_cache import fp8_static_cache
 from .primary_weights import quantized_model_init
@@ -58,6 +59,10 @@ __all__ = [
     "advance_delayed_state",
     # FSDP2: all-gather the weights of FP8 linears as FP8 (call before fully_shard)
     "enable_fp8_all_gather",
+    # context parallelism: each rank's load-balanced slice of the batch's sequence, and back
+    "context_parallel_shard",
+    "context_parallel_unshard",
+    "load_balanced_positions",
     # inference: delayed-scaling scales from high-precision forwards; an E4M3 static KV cache
     "calibrate",
     "fp8_static_cache",

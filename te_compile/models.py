@@ -153,12 +153,15 @@ class GPT(nn.Module):
             for p in module.parameters():
                 nn.init.normal_(p, mean=0.0, std=0.02)
 
-    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None):
-        # idx: [B, T] int64 token ids, T <= block_size
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None,
+                pos: Optional[torch.Tensor] = None):
+        # idx: [B, T] int64 token ids, T <= block_size; pos: [T] the rows' positions in the sequence
+        # (default 0..T-1; under context parallelism a rank's rows keep their global positions)
         B, T = idx.shape
         if T > self.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size={self.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        if pos is None:
+            pos = torch.arange(T, device=idx.device)
         x = self.tok_emb(idx) + self.pos_emb(pos)          # [B, T, C]
         for block in self.blocks:
             x = block(x)

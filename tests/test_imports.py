@@ -24,7 +24,7 @@ LAYERS = [
     ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
      "te_compile.report"],
     ["te_compile.kernels"],
-    ["te_compile.distributed", "te_compile.state", "te_compile.config"],
+    ["te_compile.distributed", "te_compile.state", "te_compile.config", "te_compile.context_parallel"],
     ["te_compile.tensor"],
     ["te_compile.quantization", "te_compile.custom_recipes"],
     ["te_compile.gemm"],

@@ -33,23 +33,14 @@ from typing import Optional
 
 import torch
 
+from ..context_parallel import load_balanced_positions
 from ..distributed import AmaxGroup, all_reduce
 from ..kernels.fp8_attention import (E4M3, dequantize_heads, fp8_attention_backward, fp8_attention_forward,
                                      quantize_heads)
 from ..scaling import cast_to_fp8, compute_scale
 from .linear import autocast_dtype
 
-__all__ = ["ContextParallelAttention", "ContextParallelLowering", "ContextParallelSpec", "load_balanced_positions"]
-
-
-def load_balanced_positions(seq_len: int, rank: int, ranks: int) -> torch.Tensor:
-    """The global positions rank ``rank`` of ``ranks`` holds under the load-balanced causal split: chunks
-    ``rank`` and ``2 * ranks - 1 - rank`` of ``2 * ranks`` equal chunks (``seq_len`` divisible by it)."""
-    if seq_len % (2 * ranks):
-        raise ValueError(f"sequence length {seq_len} must split into 2 x {ranks} equal chunks")
-    chunk = seq_len // (2 * ranks)
-    return torch.cat([torch.arange(rank * chunk, (rank + 1) * chunk),
-                      torch.arange((2 * ranks - 1 - rank) * chunk, (2 * ranks - rank) * chunk)])
+__all__ = ["ContextParallelAttention", "ContextParallelLowering", "ContextParallelSpec"]
 
 
 def _gather_seq(x: torch.Tensor, group: AmaxGroup) -> torch.Tensor:
