@@ -11,3 +11,11 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# Under pytest-xdist, one intra-op thread per worker and core: two workers of two OpenMP threads each
+# (and the single-threaded gloo ranks the distributed tests spawn) would oversubscribe the cores, and
+# oversubscribed OpenMP threads spin-wait on each other (a 6 s test was seen taking 56 s beside a
+# spawned world).
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
