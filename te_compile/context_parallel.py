@@ -5,7 +5,7 @@ load-balanced causal slice of the sequence that torch's ``context_parallel`` giv
 sequence is cut into 2R equal chunks and rank r holds chunks r and 2R - 1 - r, so that every rank
 does the same causal work (an early chunk has few keys to attend to, its partner late chunk many).
 
-    positions = load_balanced_positions(seq_len, rank, R)                # [2 * seq_len / (2R)]
+    positions = load_balanced_positions(seq_len, rank, R)                # [seq_len / R]
     idx, labels, pos = context_parallel_shard(cp_mesh, [idx, labels, pos], seq_dims=[1, 1, 0])
     logits = model(idx, pos)                                             # [B, seq_len / R, V]
     [full] = context_parallel_unshard(cp_mesh, [logits], seq_dims=[1])   # [B, seq_len, V], global order
