@@ -13,14 +13,16 @@ Each provider compiles ``model.forward`` (``fullgraph=True``; ``mode="reduce-ove
 - ``te <recipe>``: ``backend="te"`` with the recipe (the weights quantized once: inference graphs);
   ``te <recipe> row``: with ``[inference] activation_scaling = "row"``;
   ``te <recipe> fp8-kv``: with ``te_compile.fp8_static_cache`` (K and V in E4M3, read as bytes by te's
-  attention) instead of transformers' ``StaticCache``;
+  attention) instead of transformers' ``StaticCache``; ``te <recipe> fp8-weights``: the linears'
+  weights turned into FP8 primary weights by ``te_compile.quantize_weights`` (no high-precision copy);
 - ``torchao float8 (dynamic, rowwise)``: ``quantize_(model, Float8DynamicActivationFloat8WeightConfig(
   granularity=PerRow()))`` then inductor, when torchao imports (its FP8 GEMMs need a GPU).
 
 Columns: median seconds of the prefill and of one decode step at each batch, tokens/s, their ratio to
 inductor's, the bytes of the weights the model holds (te: the high-precision weights plus the FP8
-copies its inference graphs cache) and of the batch-32 key/value cache with its ratio to inductor's.
-GPU goals: decode >= 1.15x at batch 32, prefill >= 1.35x, KV cache <= 0.55x with fp8-kv.
+copies its inference graphs cache; fp8-weights: the FP8 weights and the embedding) and of the batch-32
+key/value cache, each with its ratio to inductor's. GPU goals: decode >= 1.15x at batch 32, prefill
+>= 1.35x, weights <= 0.55x, KV cache <= 0.55x with fp8-kv.
 """
 
 from __future__ import annotations
@@ -100,11 +102,19 @@ def _median(fn, device, iters: int) -> float:
     return _common.time_step(fn, device, iters, warmup=0)[1]
 
 
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """The bytes ``t`` holds: a quantized tensor's inner buffers (bytes and scales), not its nominal dtype."""
+    if isinstance(t, te_compile.QuantizedTensor):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
 def _weight_bytes(model) -> int:
     from te_compile.weight_cache import cached_bytes
 
     params = list(model.parameters())
-    return sum(p.numel() * p.element_size() for p in params) + cached_bytes(params)
+    return sum(_tensor_bytes(p) for p in params) + cached_bytes(params)
 
 
 def main() -> None:
@@ -126,7 +136,7 @@ def main() -> None:
     print(f"bench_generate: Llama {SHAPES[device.type]}, {str(dtype).replace('torch.', '')}, static cache; "
           f"{_common.describe_machine(device)}; median of {args.iters}", flush=True)
     providers = ["inductor", f"te {args.recipe}", f"te {args.recipe} row", f"te {args.recipe} fp8-kv",
-                 "torchao float8 (dynamic, rowwise)"]
+                 f"te {args.recipe} fp8-weights", "torchao float8 (dynamic, rowwise)"]
     rows, base = [], {}
     for provider in providers:
         row = [provider]
@@ -139,6 +149,8 @@ def main() -> None:
             model = _model(device, dtype, max_len)
             if provider.startswith("torchao"):
                 model = _torchao(model)
+            if provider.endswith("fp8-weights"):   # the linears' weights only in FP8, the rest as loaded
+                te_compile.quantize_weights(model, getattr(te_compile.recipe, args.recipe)())
             _compile(model, provider, device, args.compiler)
             generate, caches = _generator(model, provider, max_len)
             gen = torch.Generator().manual_seed(1)
@@ -164,16 +176,17 @@ def main() -> None:
                 step, ref = figures[f"decode{batch}"], base.get(f"decode{batch}")
                 row += ["n/a", "n/a", "n/a"] if step is None else [
                     f"{1e3 * step:.2f}", f"{batch / step:,.0f}", f"{ref / step:.2f}x" if ref else "n/a"]
-            row += [f"{figures['weights'] / 2**20:.1f}", f"{figures['kv'] / 2**20:.1f}",
-                    f"{figures['kv'] / base['kv']:.2f}x", f"{figures['compile_s']:.1f}", ""]
+            row += [f"{figures['weights'] / 2**20:.1f}", f"{figures['weights'] / base['weights']:.2f}x",
+                    f"{figures['kv'] / 2**20:.1f}", f"{figures['kv'] / base['kv']:.2f}x", f"{figures['compile_s']:.1f}",
+                    ""]
         except Exception as e:   # a provider that cannot run here keeps its row, with why
-            row += ["n/a"] * 13 + [_common.failure_note(e, limit=90) if not isinstance(e, RuntimeError)
+            row += ["n/a"] * 14 + [_common.failure_note(e, limit=90) if not isinstance(e, RuntimeError)
                                    or str(e) != _common.TORCHAO_MISSING else str(e)]
         rows.append(row)
         print(f"  {provider}: done", flush=True)
     print(tabulate(rows, headers=["provider", "prefill s", "prefill tok/s", "vs inductor", "decode ms (b1)",
                                   "tok/s (b1)", "vs inductor", "decode ms (b32)", "tok/s (b32)", "vs inductor",
-                                  "weights MiB", "KV MiB (b32)", "vs inductor", "first call s", "note"],
+                                  "weights MiB", "vs inductor", "KV MiB (b32)", "vs inductor", "first call s", "note"],
                    disable_numparse=True))
     print(f"\n{_common.precision_note(device)}")
 

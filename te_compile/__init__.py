@@ -15,7 +15,7 @@ from .fsdp import enable_fp8_all_gather
 from .context_parallel import context_parallel_shard, context_parallel_unshard, load_balanced_positions
 from .calibration import calibrate
 from .kv_cache import fp8_static_cache
-from .primary_weights import quantized_model_init
+from .primary_weights import quantize_weights, quantized_model_init
 from .hardware import (
     get_device_compute_capability,
     is_bf16_available,
@@ -66,9 +66,10 @@ __all__ = [
     # inference: delayed-scaling scales from high-precision forwards; an E4M3 static KV cache
     "calibrate",
     "fp8_static_cache",
-    # FP8 primary weights: nn.Linear weights built quantized (te_compile.tensor.utils has the
-    # master-weight cast for the optimizer)
+    # FP8 primary weights: nn.Linear weights built quantized, or quantized in place after loading for
+    # serving (te_compile.tensor.utils has the master-weight cast for the optimizer)
     "quantized_model_init",
+    "quantize_weights",
     # recipes (te_compile.recipe holds the classes)
     "recipe",
     # quantization core, usable eagerly (te_compile.tensor has the storage classes too)

@@ -42,6 +42,7 @@ import torch
 import torch.nn as nn
 
 from .config import resolve_config
+from .state import load_recipe_state_dict, recipe_state_dict
 from .quantization import quantize_per_expert, weight_ineligibility, weight_quantizer
 from .recipe import RECIPES, Recipe
 from .scaling import tensor_amax
@@ -50,7 +51,7 @@ from .tensor.float8_tensor import Float8Quantizer
 from .tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from .tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["quantized_model_init"]
+__all__ = ["quantized_model_init", "quantize_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +190,64 @@ def quantized_model_init(enabled: bool = True, recipe: Optional[Recipe] = None,
         if not _STACK:
             nn.Linear.__init__ = _ORIGINAL_LINEAR_INIT
             nn.Module.register_parameter = _ORIGINAL_REGISTER_PARAMETER
+
+
+def quantize_weights(model: nn.Module, recipe: Optional[Recipe] = None) -> dict[str, str]:
+    """Turn the ``nn.Linear`` weights of a model built in high precision into FP8 primary weights, in
+    place: for serving, where the high-precision weights are then freed (a model loaded with
+    ``from_pretrained``, which replaces the parameters ``quantized_model_init`` would have built).
+
+    Each weight becomes the quantized parameter ``quantized_model_init`` builds, holding the bytes the
+    te backend's inference graphs would quantize and cache for it: current scaling from the weight's
+    own amax, the block formats per block, delayed scaling with the scale the model's recipe state
+    holds for it (trained or ``calibrate``d; a model without state gets scale 1, as a first training
+    step would). The state stays the model's: it is carried over to the new parameters.
+
+    Left in high precision, with the reason: weights the recipe's GEMMs cannot take, and weights a
+    non-linear module reads too (a head tied to its embedding). A weight several linears share is
+    quantized once. MoE expert weights are not linears and stay as they are. Returns
+    ``{weight fqn: what was done}``.
+    """
+    if recipe is None:
+        recipe = resolve_config().recipe
+        if recipe is None:
+            raise ValueError("quantize_weights: the resolved config runs in high precision (recipe = none); "
+                             "pass a recipe")
+    spec = _Init(_check_recipe(recipe), keep_init_val=False)
+    # every (module, attribute) that holds each parameter, so that a shared one is seen whole
+    holders: dict[int, list[tuple[str, str, nn.Module, str]]] = {}   # (param fqn, module fqn, module, name)
+    for fqn, module in model.named_modules(remove_duplicate=False):
+        for name, param in module.named_parameters(recurse=False):
+            holders.setdefault(id(param), []).append((f"{fqn}.{name}" if fqn else name, fqn, module, name))
+    saved = recipe_state_dict(model) if recipe.delayed() else {}
+    done: dict[str, str] = {}
+    converted: list[tuple[nn.Parameter, torch.Tensor]] = []   # delayed scaling: (new weight, its values)
+    for entries in holders.values():
+        linears = [(f, m) for f, _, m, n in entries if isinstance(m, nn.Linear) and n == "weight"]
+        if not linears:
+            continue
+        (fqn, first), others = linears[0], [(mf, m) for _, mf, m, n in entries
+                                            if not (isinstance(m, nn.Linear) and n == "weight")]
+        weight = first.weight
+        if isinstance(weight, QuantizedTensor):
+            done[fqn] = "already quantized"
+            continue
+        why = (f"{others[0][0]} ({type(others[0][1]).__name__}) reads it too" if others
+               else weight_ineligibility(weight, spec.recipe))
+        if why is not None:
+            done[fqn] = f"kept in high precision: {why}"
+            continue
+        _quantize_linear(first, spec)
+        for _, m in linears[1:]:
+            m.weight = first.weight
+        if spec.recipe.delayed():
+            converted.append((first.weight, weight.detach()))
+        done[fqn] = f"FP8 primary weight ({type(first.weight.data).__name__})" + (
+            f", shared with {', '.join(f for f, _ in linears[1:])}" if len(linears) > 1 else "")
+    if converted:
+        # the saved state now keyed by the new parameters; then the bytes made with its weight scales
+        load_recipe_state_dict(model, saved, strict=False)
+        with torch.no_grad():
+            for param, values in converted:
+                param.copy_(values)
+    return done

@@ -240,6 +240,60 @@ def test_hugging_face_generate_with_a_static_cache(name, recipe, quantizations):
         assert torch.equal(value, torch.ones_like(value) if key.endswith(".scale") else torch.zeros_like(value)), key
 
 
+# ---- FP8 weights only: quantize_weights ------------------------------------------------------------
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_weights_quantized_in_place_generate_the_cached_weights_bits(recipe):
+    """quantize_weights turns a model's linears into FP8 primary weights holding the bytes its inference
+    graphs would cache: generation then gives the same tokens and logits bit for bit, from one byte per
+    weight element; DelayedScaling's state (calibrated here) carries over to the new weights as it was."""
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    ids = torch.randint(0, 128, (4, 8))
+    if recipe == "DelayedScaling":
+        with torch.no_grad(), te_compile.calibrate(model, recipe=recipe):
+            model(ids)
+    state = te_compile.recipe_state_dict(model)
+    cached, _ = _static_generate(model, recipe, ids, 6)
+    elements = {f"{n}.weight": m.weight.numel() for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    done = te_compile.quantize_weights(model, getattr(te_compile.recipe, recipe)())
+    assert done == {name: "FP8 primary weight (Float8Tensor)" for name in elements}, done
+    weights = dict(model.named_parameters())
+    assert sum(weights[n]._data.numel() * weights[n]._data.element_size() for n in elements) == sum(elements.values())
+    after = te_compile.recipe_state_dict(model)
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    served, graphs = _static_generate(model, recipe, ids, 6)
+    assert graphs == 2 and torch.equal(served.sequences, cached.sequences)
+    for a, b in zip(served.logits, cached.logits):
+        assert torch.equal(a, b)
+    rows = [r for r in te_compile.report().sites if r.op == "linear"]
+    assert rows and all(r.rewritten and "weight already quantized, used as is" in r.reason for r in rows)
+
+
+def test_quantize_weights_after_from_pretrained_keeps_a_tied_head_in_high_precision(tmp_path):
+    """from_pretrained replaces the parameters quantized_model_init builds (so the weights come back in
+    high precision); quantize_weights after loading converts them. A head tied to its embedding stays
+    in high precision, since the embedding reads it too."""
+    recipe = te_compile.recipe.Float8CurrentScaling()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**COMMON, tie_word_embeddings=True)).save_pretrained(tmp_path)
+    with te_compile.quantized_model_init(recipe=recipe):
+        model = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert not any(isinstance(p, te_compile.QuantizedTensor) for p in model.parameters())
+    ref = {n: p.detach().clone() for n, p in model.named_parameters()}
+    done = te_compile.quantize_weights(model, recipe)
+    assert done.pop("lm_head.weight") == "kept in high precision: model.embed_tokens (Embedding) reads it too"
+    assert done and set(done.values()) == {"FP8 primary weight (Float8Tensor)"}, done
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    for name, param in model.named_parameters():
+        if name in done:   # the weight's values, quantized: E4M3 of a per-tensor scale
+            assert isinstance(param, te_compile.Float8Tensor)
+            assert sqnr(ref[name], param.dequantize()) >= 25, name
+    assert te_compile.quantize_weights(model, recipe)["model.layers.0.mlp.up_proj.weight"] == "already quantized"
+
+
 # ---- numerics on a trained model ------------------------------------------------------------------------
 
 
