@@ -149,3 +149,25 @@ def test_block_scaled_sites_say_why_not(tp_mesh):
     words = "async TP not applied: block-scaled recipes scale per block"
     assert len(rows) == 7 and all(words in r.reason for r in rows), [r.reason for r in rows]
 
+
+
+@pytest.mark.parametrize("input_layout, words", [
+    (2, "async TP not applied: a last-dim gather (the pass fuses other dims only)"),
+    (None, "async TP not applied: the input is not sequence-sharded on the TP dim")])
+def test_column_sites_without_a_sequence_gather_say_why_not(tp_mesh, input_layout, words):
+    """A column-parallel linear whose input arrives split along its last dim (gathered on that dim), or
+    replicated (plain tensor parallelism, nothing to gather): DTensor's collectives stay, with the
+    reason in the report."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    layout = Replicate() if input_layout is None else Shard(input_layout)
+    model = parallelize_module(torch.nn.Sequential(torch.nn.Linear(32, 64)), tp_mesh,
+                               {"0": ColwiseParallel(input_layouts=layout)})
+    compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager", "recipe": "Float8CurrentScaling",
+                                                           "distributed": {"async_tp": True}})
+    compiled(torch.randn(2, 8, 16 if input_layout == 2 else 32))   # this rank's part of x
+    [row] = [r for r in te_compile.report().sites if r.op == "linear"]
+    assert row.rewritten and words in row.reason, row.reason
