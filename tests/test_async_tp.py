@@ -37,9 +37,10 @@ def tp_mesh():
     lib = torch.library.Library("symm_mem", "IMPL")
     lib.impl("fused_all_gather_scaled_matmul", _fused_all_gather_scaled_matmul_fallback, "CPU")
     lib.impl("fused_scaled_matmul_reduce_scatter", _fused_scaled_matmul_reduce_scatter_fallback, "CPU")
-    with pytest.MonkeyPatch.context() as patch:
+    # torch's config modules are patched with their own patch(): pytest's monkeypatch finds no instance
+    # attribute to restore on them and deletes the key on undo, which hides it from every later test
+    with pytest.MonkeyPatch.context() as patch, torch._functorch.config.patch(enable_autograd_cache=False):
         patch.setattr(dist, "is_nccl_available", lambda: True)   # the pass's first check; symm_mem's own is _test_mode
-        patch.setattr(torch._functorch.config, "enable_autograd_cache", False)
         yield init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     lib._destroy()
     dist.destroy_process_group()
@@ -113,11 +114,11 @@ def test_every_tp_linear_of_a_block_fuses_with_its_collective(tp_mesh):
     assert all("all-gather over tp (2 ranks)" in r.collectives for r in rows)
 
 
-def test_inductor_flag_set_by_the_user_means_async_tp(tp_mesh, monkeypatch):
+def test_inductor_flag_set_by_the_user_means_async_tp(tp_mesh):
     import torch._inductor.config as inductor_config
 
-    monkeypatch.setattr(inductor_config, "_micro_pipeline_tp", True)
-    fused, _, rows = _run(tp_mesh, {"recipe": "Float8CurrentScaling"}, backward=False)
+    with inductor_config.patch(_micro_pipeline_tp=True):
+        fused, _, rows = _run(tp_mesh, {"recipe": "Float8CurrentScaling"}, backward=False)
     assert fused == [Counter({GATHER_MM: 2, MM_SCATTER: 2})]
     assert all("async TP:" in r.reason for r in rows)
 
