@@ -198,10 +198,10 @@ def quantize_weights(model: nn.Module, recipe: Optional[Recipe] = None) -> dict[
     ``from_pretrained``, which replaces the parameters ``quantized_model_init`` would have built).
 
     Each weight becomes the quantized parameter ``quantized_model_init`` builds, holding the bytes the
-    te backend's inference graphs would quantize and cache for it: current scaling from the weight's
-    own amax, the block formats per block, delayed scaling with the scale the model's recipe state
-    holds for it (trained or ``calibrate``d; a model without state gets scale 1, as a first training
-    step would). The state stays the model's: it is carried over to the new parameters.
+    te backend would quantize it to: current scaling from the weight's own amax, the block formats per
+    block, delayed scaling with the scale the model's recipe state holds for it (trained or
+    ``calibrate``d; a model without state gets scale 1, as a first training step would). The state
+    stays the model's: it is carried over to the new parameters.
 
     Left in high precision, with the reason: weights the recipe's GEMMs cannot take, and weights a
     non-linear module reads too (a head tied to its embedding). A weight several linears share is

@@ -294,6 +294,24 @@ def test_quantize_weights_after_from_pretrained_keeps_a_tied_head_in_high_precis
     assert te_compile.quantize_weights(model, recipe)["model.layers.0.mlp.up_proj.weight"] == "already quantized"
 
 
+def test_quantize_weights_in_a_block_format_gives_the_on_the_fly_bits():
+    """MXFP8: each weight's blocks are those the linear would quantize at every call, so the compiled
+    forward's logits are bit for bit the same; a weight whose N is not a multiple of 32 stays in high
+    precision, saying why, as the backend keeps that linear."""
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    ids = torch.randint(0, 128, (2, 8))
+    with torch.no_grad():
+        on_the_fly = _compiled(model, "MXFP8BlockScaling")(ids).logits
+        done = te_compile.quantize_weights(model, te_compile.recipe.MXFP8BlockScaling())
+        served = _compiled(model, "MXFP8BlockScaling")(ids).logits
+    assert done["model.layers.0.self_attn.k_proj.weight"] == \
+        "kept in high precision: weight [16, 32]: MXFP8 scales blocks of 32 along K and N"
+    assert done["model.layers.0.mlp.up_proj.weight"] == "FP8 primary weight (MXFP8Tensor)"
+    assert sum(v.startswith("FP8 primary weight") for v in done.values()) == 6, done
+    assert torch.equal(served, on_the_fly)
+
+
 # ---- numerics on a trained model ------------------------------------------------------------------------
 
 
