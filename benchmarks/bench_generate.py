@@ -102,19 +102,14 @@ def _median(fn, device, iters: int) -> float:
     return _common.time_step(fn, device, iters, warmup=0)[1]
 
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    """The bytes ``t`` holds: a quantized tensor's inner buffers (bytes and scales), not its nominal dtype."""
-    if isinstance(t, te_compile.QuantizedTensor):
-        names, _ = t.__tensor_flatten__()
-        return sum(_tensor_bytes(getattr(t, name)) for name in names)
-    return t.numel() * t.element_size()
-
-
 def _weight_bytes(model) -> int:
+    """The distinct storages of the parameters (a quantized weight's bytes and scales, as the demo's
+    saved-bytes measure walks them), plus the FP8 copies te's inference cache holds for them."""
+    from te_compile.cli import _storages
     from te_compile.weight_cache import cached_bytes
 
     params = list(model.parameters())
-    return sum(_tensor_bytes(p) for p in params) + cached_bytes(params)
+    return sum(n for _, n in {key for p in params for key in _storages(p)}) + cached_bytes(params)
 
 
 def main() -> None:
