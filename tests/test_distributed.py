@@ -715,7 +715,8 @@ def _cp_worker(rank: int) -> dict:
     from te_compile.lowerings.attention import AttentionSpec, Fp8AttentionFunction
     from te_compile.recipe import Float8CurrentScaling
 
-    group = mesh_dim_group(init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",)), 0)
+    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
+    group = mesh_dim_group(mesh, 0)
     gathered, real = [], cpa._gather_seq
 
     def counting(x, g):
@@ -730,7 +731,6 @@ def _cp_worker(rank: int) -> dict:
     pos = te_compile.load_balanced_positions(t, rank, WORLD)
     out = {"pos": pos, "kv_bf16_bytes": 2 * b * hkv * len(pos) * d * 2, "model": _cp_model_worker(rank)}
     # the public split and its inverse, on a token batch [B, T] and FP8 bytes along dim 2 of [B, H, T, D]
-    mesh = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("cp",))
     ids, fp8 = torch.randint(0, 100, (2, t), generator=gen), q.to(torch.float8_e4m3fn)
     shards = te_compile.context_parallel_shard(mesh, [ids, fp8], seq_dims=[1, -2])
     out["split"] = {"shards": shards, "expected": [ids[:, pos], fp8[:, :, pos]],
