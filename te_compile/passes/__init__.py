@@ -15,6 +15,7 @@ import torch.fx as fx
 
 from ..config import ConfigError, TeConfig
 from ..distributed import graph_mesh, resolve_amax_group, resolve_context_parallel
+from ..pipeline import confine_to_stage, current_stage
 from ..report import SiteRecord
 from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
@@ -72,16 +73,18 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
         config = config.for_inference()
     setting = config.distributed
     mesh = setting.mesh if setting.mesh is not None else graph_mesh(example_inputs)
+    stage = current_stage()   # a PipelineStage calling this module: no amax group may cross its stages
 
     def resolve(key: str):
         try:
-            return resolve_amax_group(getattr(setting, key), mesh, setting.pipeline_dims)
+            spec = getattr(setting, key)
+            return confine_to_stage(key, spec, resolve_amax_group(spec, mesh, setting.pipeline_dims), mesh, stage)
         except ValueError as e:   # "amax_group: <problem>"
             raise ConfigError(f"{config.source}: distributed.{key}:{str(e).partition(':')[2]}") from None
 
-    amax_group = resolve("amax_group")
+    amax_group, amax_note = resolve("amax_group")
     same = isinstance(setting.expert_amax_group, str) and setting.expert_amax_group == "same"
-    expert_group = amax_group if same else resolve("expert_amax_group")
+    expert_group = amax_group if same else resolve("expert_amax_group")[0]
     try:
         context_parallel = resolve_context_parallel(setting.context_parallel, mesh, setting.pipeline_dims)
     except ValueError as e:
@@ -91,7 +94,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
     ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group,
-                      inference=inference, context_parallel=context_parallel)
+                      inference=inference, context_parallel=context_parallel, amax_note=amax_note)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

@@ -256,7 +256,7 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
                 continue
             if extra is None:
                 extra, unkeyed = [], " (no parameter in this graph to key delayed-scaling state on)"
-            elif _amax_groups(ctx, recipe):
+            else:
                 collectives = ctx.history_reduction(_amax_groups(ctx, recipe), recipe)
         d = value_of(args["query"]).shape[-1]
         scale = args["scale"]

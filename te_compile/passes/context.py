@@ -32,6 +32,9 @@ class PassContext:
     cached_weights: dict = field(default_factory=dict)   # (weight input index, recipe) -> placeholder
     # [distributed] context_parallel, resolved: (the dim's group, this rank's index along it), or None
     context_parallel: Optional[tuple] = None
+    # why amax_group is None where te left the reduction out itself (a pipeline stage that holds the
+    # whole world: pipeline.py), for the DelayedScaling sites' report rows; "" otherwise
+    amax_note: str = ""
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
@@ -56,12 +59,11 @@ class PassContext:
             return expert_shard_groups(param.value, self.config.distributed.pipeline_dims)
         return (self.expert_amax_group,) if self.expert_amax_group is not None else ()
 
-    @staticmethod
-    def history_reduction(groups, recipe) -> str:
+    def history_reduction(self, groups, recipe) -> str:
         """The report's collectives text of a DelayedScaling site whose amaxes are reduced over
-        ``groups`` (none: "")."""
+        ``groups`` (none: "", or ``amax_note`` where te chose none for a recipe that reduces)."""
         if not groups:
-            return ""
+            return self.amax_note if recipe.reduce_amax else ""
         when = ("once per optimizer step, every graph's together" if recipe.update_on == "optimizer_step"
                 else "one per graph and step")
         return f"amax history all-reduce over {describe_groups(groups)}, {when}"

@@ -123,8 +123,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             if isinstance(extra, str):
                 record(False, extra, recipe.name)
                 continue
-            if groups:
-                collectives = ctx.history_reduction(groups, recipe)
+            collectives = ctx.history_reduction(groups, recipe)
             key = (*_tokens_key(site.x), site.offs, recipe)
             if key in first_reader:
                 name, extra[1] = first_reader[key]
