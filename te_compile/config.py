@@ -188,7 +188,8 @@ class DistributedConfig:
 
     # The group DelayedScaling's amaxes are all-reduced over (MAX) before they enter the histories,
     # so every rank keeps the same scales: "auto" (every dim of the device mesh but the pipeline dims,
-    # or the world when no mesh is known), "world" (the default process group), "none" (each rank
+    # or the world when no mesh is known; in a PipelineStage never another stage's ranks, pipeline.py
+    # finds the stage), "world" (the default process group), "none" (each rank
     # keeps its own), a list of mesh dim names (["dp_replicate", "dp_shard", "tp"]: one group over
     # their product), or from Python a ProcessGroup or a DeviceMesh (all its dims). Recipes with
     # reduce_amax = false skip it. Tensors sharded as DTensors are reduced over their mesh dims anyway.
