@@ -9,6 +9,13 @@ that parameter is what tells two instances of a module apart when they share one
 SDPA calls of one module share its state, as all calls of one weight share the weight's.
 The backend registers these very tensors as buffers of the graph module, so the compiled forward and
 backward update them in place (no host sync).
+
+Inference graphs (compiled with grad disabled) never update state, and never create it either
+(``read_state``, ``read_attention_state``): a weight that has none yet is read at the initial scales
+(1), kept aside where ``recipe_state_dict`` does not see them, so that serving a model adds no keys to
+what training, ``calibrate`` or ``load_recipe_state_dict`` gave it. Whichever of these first gives
+the weight state takes those very tensors over: a graph that read them keeps reading the same
+addresses (CUDA graphs) and now sees the state.
 """
 
 from __future__ import annotations
@@ -22,7 +29,8 @@ from torch.utils.weak import WeakIdKeyDictionary
 from .recipe import ATTENTION_ROLES, GEMM_ROLES
 
 __all__ = ["RoleState", "LinearState", "AttentionState", "IncompatibleKeys", "recipe_state_dict",
-           "load_recipe_state_dict", "state_tensors", "amax_anchor", "attention_key_param"]
+           "load_recipe_state_dict", "state_tensors", "amax_anchor", "attention_key_param",
+           "read_state", "read_attention_state"]
 
 FIELDS = ("scale", "amax_history")
 # the last component of an SDPA site's name in the state dict ("blocks.0.attn.sdpa")
@@ -90,6 +98,10 @@ _STATES: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # State loaded before the first compile is registered under every parameter of the owner, so that
 # whichever of them the graph receives (a graph split by DDP may lack some) finds it.
 _ATTENTION: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# What inference graphs read for weights and SDPA sites that have no state (module docstring): weight
+# -> LinearState, key parameter -> {site key: AttentionState}; never in a state dict.
+_UNSET: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_UNSET_ATTENTION: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _ANCHORS: dict[torch.device, torch.Tensor] = {}
 
 
@@ -100,8 +112,37 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
     if state is None:
         state = _linked_state(weight)
         if state is None:
+            state = _take_unset(_UNSET.pop(weight, None), history_len, experts)
+        if state is None:
             state = LinearState(history_len, weight.device, experts)
         _STATES[weight] = state
+    _check(state, weight, history_len, where)
+    return state
+
+
+def read_state(weight: torch.Tensor, history_len: int, where: str) -> LinearState:
+    """The state an inference graph reads for ``weight``: its own (as ``state_for``), else the initial
+    state kept aside for it, which no state dict lists (module docstring)."""
+    if weight in _STATES or _linked_state(weight) is not None:
+        return state_for(weight, history_len, where)
+    state = _UNSET.get(weight)
+    if state is None:
+        state = _UNSET[weight] = LinearState(history_len, weight.device, _experts(weight))
+    _check(state, weight, history_len, where)
+    return state
+
+
+def _take_unset(state: Optional[RoleStates], history_len: int, experts: int = 0) -> Optional[RoleStates]:
+    """``state``, what inference graphs have read for a weight or SDPA site without state, when it has
+    the shape asked for (then it becomes the state); None otherwise (the graphs that read it find the
+    new state at their next call, and its shape check names the mismatch)."""
+    if state is None or state.history_len != history_len or state.experts != experts:
+        return None
+    return state
+
+
+def _check(state: LinearState, weight: torch.Tensor, history_len: int, where: str) -> None:
+    experts = _experts(weight)
     if state.experts != experts:
         raise ValueError(f"{where}: this weight of shape {list(weight.shape)} has state for "
                          f"{state.experts or 'no'} experts, expected {experts or 'none'} (loaded for another weight?)")
@@ -110,7 +151,6 @@ def state_for(weight: torch.Tensor, history_len: int, where: str) -> LinearState
             f"{where}: the recipe asks for amax_history_len={history_len}, but this weight already "
             f"has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
         )
-    return state
 
 
 def _experts(weight: torch.Tensor) -> int:
@@ -126,14 +166,32 @@ def attention_state_for(param: torch.Tensor, site_key: str, owner_depth: int, hi
     registered under ``param`` if it has none yet."""
     sites = _ATTENTION.setdefault(param, {})
     if site_key not in sites:
+        state = state or _take_unset(_UNSET_ATTENTION.get(param, {}).pop(site_key, None), history_len)
         sites[site_key] = (state or AttentionState(history_len, param.device), owner_depth)
-    state = sites[site_key][0]
+    _check_attention(sites[site_key][0], history_len, where)
+    return sites[site_key][0]
+
+
+def read_attention_state(param: torch.Tensor, site_key: str, owner_depth: int, history_len: int,
+                         where: str) -> AttentionState:
+    """The state an inference graph reads for the SDPA site ``site_key`` keyed on ``param``: its own
+    (as ``attention_state_for``), else the initial state kept aside for it, which no state dict lists
+    (module docstring)."""
+    if site_key in _ATTENTION.get(param, {}):
+        return attention_state_for(param, site_key, owner_depth, history_len, where)
+    sites = _UNSET_ATTENTION.setdefault(param, {})
+    if site_key not in sites:
+        sites[site_key] = AttentionState(history_len, param.device)
+    _check_attention(sites[site_key], history_len, where)
+    return sites[site_key]
+
+
+def _check_attention(state: AttentionState, history_len: int, where: str) -> None:
     if state.history_len != history_len:
         raise ValueError(
             f"{where}: the recipe asks for amax_history_len={history_len}, but this attention site "
             f"already has state of length {state.history_len} (loaded or compiled earlier with another recipe)"
         )
-    return state
 
 
 def attention_key_param(names: list[str], owner: str) -> Optional[str]:
@@ -407,7 +465,9 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
         targets = [(unsharded.get(id(p)) or p, depth) for p, depth in targets]
 
         def register(targets=targets, key=site_key, n=history_len, w=f"load_recipe_state_dict({site!r})"):
-            state = AttentionState(n, targets[0][0].device)
+            # what an inference graph read for the site, under whichever parameter it keys on
+            unset = [_take_unset(_UNSET_ATTENTION.get(p, {}).pop(key, None), n) for p, _ in targets]
+            state = next((u for u in unset if u is not None), None) or AttentionState(n, targets[0][0].device)
             for param, depth in targets:
                 attention_state_for(param, key, depth, n, w, state)
             return state

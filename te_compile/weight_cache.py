@@ -26,7 +26,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from .quantization import quantize_per_tensor
 from .recipe import Recipe
-from .state import state_for
+from .state import read_state
 from .tensor.float8_tensor import Float8Tensor
 
 __all__ = ["cached_fp8_weight", "clear_weight_cache", "cached_bytes"]
@@ -55,7 +55,8 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
     (and its delayed scale) has not changed since it was made, else a new one."""
     if not recipe.per_tensor:
         raise ValueError(f"{where}: the inference weight cache takes per-tensor recipes, got {recipe.name}")
-    scale = state_for(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
+    # the graph's scale, read and never created here: serving adds no recipe state
+    scale = read_state(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
     key = _version_key(weight, scale)
     entries = _CACHE.setdefault(weight, {})
     entry = entries.get((recipe, transposed, dtype))

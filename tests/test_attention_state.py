@@ -199,6 +199,33 @@ def test_loaded_state_resumes_a_fresh_model_bit_for_bit(steps):
     assert all(torch.equal(v, log[2]["state"][k]) for k, v in te_compile.recipe_state_dict(model).items())
 
 
+def test_an_inference_graph_reads_attention_state_without_creating_it(steps):
+    """Compiled with grad disabled, an SDPA site quantizes with the initial scales (1) and adds no keys;
+    state loaded afterwards (registered under every parameter of the owner, while the graph keys on
+    one) is what the same graph reads from then on, without a recompile: the training step's output
+    on those scales, bit for bit."""
+    from torch._dynamo.utils import counters
+
+    log, _ = steps
+    torch._dynamo.reset()
+    model = Model()
+    fn = torch.compile(model, backend="te", options=OPTIONS)
+    record = log[2]
+    inputs = {site: tuple(t.detach() for t in tensors) for site, tensors in record["inputs"].items()}
+    counters.clear()
+    with torch.no_grad():
+        initial = dict(zip(SITES, fn(inputs)))
+    assert te_compile.recipe_state_dict(model) == {}
+    te_compile.load_recipe_state_dict(model, log[1]["state"])
+    with torch.no_grad():
+        loaded = dict(zip(SITES, fn(inputs)))
+    assert counters["stats"]["unique_graphs"] == 1
+    for site, (name, _, _) in SITES.items():
+        assert_bitwise_equal(initial[site], _reference(site, record, _scales({}, name))[0], f"{site}, scales 1")
+        assert_bitwise_equal(loaded[site], record["outs"][site], f"{site}, loaded scales")
+    assert all(torch.equal(v, log[1]["state"][k]) for k, v in te_compile.recipe_state_dict(model).items())
+
+
 def test_load_names_unexpected_and_missing_attention_keys(steps):
     log, _ = steps
     model = Model()

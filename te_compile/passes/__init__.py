@@ -93,7 +93,7 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
-    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs), amax_group, expert_group,
+    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs, inference), amax_group, expert_group,
                       inference=inference, context_parallel=context_parallel, amax_note=amax_note)
     counts = {}
     for rewrite in PASSES:

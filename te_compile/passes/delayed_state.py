@@ -9,6 +9,8 @@ read only the scales; the update happens once per graph and step in ``DelayedSca
 (lowerings/delayed_state.py), a node placed at the start of the top-level graph whose outputs, one
 amax carrier per site with a backward, the sites take as inputs.
 Sites inside HOP bodies (checkpointed blocks) get their scales and carrier lifted in as operands.
+An inference graph (compiled with grad disabled) has no update node and reads state without creating
+it (te_compile.state ``read_state``): serving a model adds nothing to its ``recipe_state_dict``.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from torch._guards import detect_fake_mode
 from ..distributed import minimal_groups
 from ..lowerings.delayed_state import DelayedScalingUpdate, UpdateSpec, amax_sink
 from ..recipe import ATTENTION_ROLES, GEMM_ROLES, DelayedScaling
-from ..state import ATTENTION_SITE, amax_anchor, attention_state_for, state_for
+from ..state import ATTENTION_SITE, amax_anchor, attention_state_for, read_attention_state, read_state, state_for
 from .graphs import GraphScope, ParamRef
 
 __all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "SinkInput", "DelayedState"]
@@ -40,9 +42,11 @@ class StateInput:
     weight_index: int
     history_len: int
     where: str   # the site, for error messages
+    inference: bool = False   # an inference graph's: reads the state, never creates it
 
     def tensors(self, args: Sequence) -> list[torch.Tensor]:
-        return state_for(args[self.weight_index], self.history_len, self.where).tensors()
+        lookup = read_state if self.inference else state_for
+        return lookup(args[self.weight_index], self.history_len, self.where).tensors()
 
 
 @dataclass(frozen=True)
@@ -55,10 +59,12 @@ class AttentionStateInput:
     owner_depth: int
     history_len: int
     where: str
+    inference: bool = False   # an inference graph's: reads the state, never creates it
 
     def tensors(self, args: Sequence) -> list[torch.Tensor]:
-        return attention_state_for(args[self.param_index], self.site_key, self.owner_depth, self.history_len,
-                                   self.where).tensors()
+        lookup = read_attention_state if self.inference else attention_state_for
+        return lookup(args[self.param_index], self.site_key, self.owner_depth, self.history_len,
+                      self.where).tensors()
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,8 @@ class DelayedState:
 
     top: GraphScope
     example_inputs: Sequence
+    # compiled with grad disabled: reads state, never creates it (te_compile.state.read_state)
+    inference: bool = False
     inputs: list[ExtraInput] = field(default_factory=list)   # in placeholder order
     # id(weight) or (site key, id(key parameter)) -> its entry
     _weights: dict[Union[int, tuple], _Weight] = field(default_factory=dict)
@@ -126,10 +134,11 @@ class DelayedState:
         weight = self._weights.get(id(param.value))
         if weight is None:
             where = fqn or "<root>"
-            state = state_for(param.value, recipe.amax_history_len, where)  # validates the length
+            lookup = read_state if self.inference else state_for
+            state = lookup(param.value, recipe.amax_history_len, where)  # validates the length
             if fqn not in state.sites:
                 state.sites.append(fqn)
-            source = StateInput(param.index, recipe.amax_history_len, where)
+            source = StateInput(param.index, recipe.amax_history_len, where, self.inference)
             self.inputs.append(source)
             nodes = self._placeholders(f"te_state_{len(self._weights)}", state.tensors())
             weight = self._weights[id(param.value)] = _Weight(len(self._weights), recipe, fqn, nodes, source,
@@ -153,8 +162,9 @@ class DelayedState:
         if entry is None:
             depth = len(param.name.split(".")) - (len(owner.split(".")) if owner else 0)
             where = f"{fqn or '<root>'} (SDPA)"
-            state = attention_state_for(param.value, site_key, depth, recipe.amax_history_len, where)
-            source = AttentionStateInput(param.index, site_key, depth, recipe.amax_history_len, where)
+            lookup = read_attention_state if self.inference else attention_state_for
+            state = lookup(param.value, site_key, depth, recipe.amax_history_len, where)
+            source = AttentionStateInput(param.index, site_key, depth, recipe.amax_history_len, where, self.inference)
             self.inputs.append(source)
             nodes = self._placeholders(f"te_sdpa_state_{len(self._weights)}", state.tensors())
             entry = self._weights[key] = _Weight(len(self._weights), recipe, fqn, nodes, source,
