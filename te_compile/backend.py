@@ -151,6 +151,16 @@ def te_backend(gm: fx.GraphModule, example_inputs: Sequence, **kwargs) -> Callab
     return _compile(gm, example_inputs, config, kwargs.get("mode"))
 
 
+def _options_config(kwargs: dict) -> TeConfig:
+    """The config ``te_backend`` compiles with, given the backend kwargs torch.compile passes it."""
+    return resolve_config(kwargs.get("options"))
+
+
+# te_compile.calibrate finds the config a model was compiled with through this attribute of the
+# backend torch.compile holds (calibration.py), as it cannot import this layer
+te_backend.compile_config = _options_config
+
+
 def backend(config: Union[str, os.PathLike, TeConfig, None] = None, **options) -> Callable:
     """A backend callable with its config fixed up front::
 
@@ -168,4 +178,5 @@ def backend(config: Union[str, os.PathLike, TeConfig, None] = None, **options) -
         return _compile(gm, example_inputs, fixed, kwargs.get("mode", mode))
 
     te.config = fixed
+    te.compile_config = lambda kwargs: fixed   # as te_backend's
     return te

@@ -236,8 +236,7 @@ def test_hugging_face_generate_with_a_static_cache(name, recipe, quantizations):
     # each weight quantized once for the whole generation (a tied head shares its embedding's copy)
     assert len(quantizations) == len({r.fqn for r in rows})
     assert state == {}
-    for key, value in te_compile.recipe_state_dict(model).items():   # made at compile, never moved since
-        assert torch.equal(value, torch.ones_like(value) if key.endswith(".scale") else torch.zeros_like(value)), key
+    assert te_compile.recipe_state_dict(model) == {}   # inference graphs read state, never create it
 
 
 # ---- FP8 weights only: quantize_weights ------------------------------------------------------------
@@ -509,3 +508,98 @@ def test_calibrated_static_scales_decode_as_well_as_current_scaling(trained_llam
     s_current, _, _ = _decode_numerics(model, prompts, current)
     assert s_static >= s_current - 1, (s_static, s_current)
     assert te_compile.recipe_state_dict(model)["model.layers.0.mlp.down_proj.input.amax_history"].equal(history)
+
+
+CALIBRATED = {"recipe": "DelayedScaling", "amax_history_len": 16, "compiler": "aot_eager",
+              "inference": {"scaling": "static"}}
+# the ways users compile a model: Hugging Face's (the bound forward), nn.Module.compile, the wrapper
+# torch.compile returns, and a te_compile.backend() callable; each returns what calibrate() receives
+COMPILE_FORMS = {
+    "model.forward": lambda m: setattr(m, "forward", torch.compile(m.forward, backend="te", options=CALIBRATED)),
+    "model.compile": lambda m: m.compile(backend="te", options=CALIBRATED),
+    "torch.compile(model)": lambda m: torch.compile(m, backend="te", options=CALIBRATED),
+    "te_compile.backend()": lambda m: setattr(m, "forward", torch.compile(m.forward,
+                                                                          backend=te_compile.backend(**CALIBRATED))),
+}
+
+
+@pytest.mark.parametrize("form", list(COMPILE_FORMS))
+def test_calibrate_takes_the_config_the_model_is_compiled_with(form):
+    """calibrate(model) without options calibrates under the config the model was compiled with,
+    however it was compiled: the state is that of calibrating the plain model with those options
+    explicitly, key for key and bit for bit (history length 16, the compile's, not the default 1024)."""
+    ids = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    reference = BUILDERS["llama"]().eval()
+    with torch.no_grad(), te_compile.calibrate(reference, **CALIBRATED):
+        reference(ids)
+    expected = te_compile.recipe_state_dict(reference)
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    wrapper = COMPILE_FORMS[form](model)
+    target = model if wrapper is None else wrapper
+    with torch.no_grad(), te_compile.calibrate(target) as calls:
+        target(ids)
+    assert len(calls) == 8 and set(calls.values()) == {1}, calls   # 7 linears + lm_head, one forward
+    state = te_compile.recipe_state_dict(model)
+    assert len(state) == 8 * 3 * 2 and state.keys() == expected.keys()   # 3 roles x (scale, history)
+    assert state["model.layers.0.mlp.gate_proj.input.amax_history"].shape == (16,)
+    for key, value in expected.items():
+        assert torch.equal(state[key], value), key
+
+
+def test_calibrate_under_a_config_without_delayed_scaling_names_it():
+    """A model not compiled with te resolves the default config, whose recipe is not DelayedScaling:
+    calibrating nothing is an error naming the config and the recipe, not an empty state dict."""
+    model = BUILDERS["llama"]().eval()
+    with pytest.raises(ValueError, match=r"no nn.Linear of LlamaForCausalLM runs under DelayedScaling in the "
+                                         r"config from <defaults> \(recipe Float8CurrentScaling"):
+        with te_compile.calibrate(model):
+            pass
+    assert te_compile.recipe_state_dict(model) == {}
+
+
+def _generate_logits(model, ids):
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False,
+                             output_logits=True, return_dict_in_generate=True)
+    return torch.stack(out.logits)
+
+
+@pytest.mark.slow
+def test_generation_reads_the_calibrated_state_and_leaves_it_alone():
+    """Hugging Face's compile form (the bound forward), DelayedScaling with static inference scaling:
+    generating before calibration creates no state (an inference graph never does); calibrating after
+    the graphs are built gives every linear its keys, which the same graphs then read without a
+    recompile; generating changes neither keys nor values; and the saved state, loaded into a fresh
+    copy before its first compile, generates the same logits bit for bit."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 128, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = BUILDERS["llama"]().eval()
+    model.generation_config.cache_implementation = "static"
+    model.generation_config.pad_token_id = 0
+    copy = BUILDERS["llama"]().eval()
+    copy.load_state_dict(model.state_dict())
+    copy.generation_config = model.generation_config
+    for m in (model, copy):
+        COMPILE_FORMS["model.forward"](m)
+    counters.clear()
+    uncalibrated = _generate_logits(model, ids)
+    assert te_compile.recipe_state_dict(model) == {}   # no grad_output (or any) state from inference
+    assert counters["stats"]["unique_graphs"] == 2   # prefill and decode
+    with torch.no_grad(), te_compile.calibrate(model):
+        model(ids)
+    state = te_compile.recipe_state_dict(model)
+    assert len(state) == 8 * 3 * 2 and "lm_head.grad_output.scale" in state
+    assert not torch.equal(state["model.layers.0.mlp.gate_proj.input.scale"], torch.ones(1))
+    calibrated = _generate_logits(model, ids)
+    assert counters["stats"]["unique_graphs"] == 2   # the graphs built before calibration read its scales
+    assert not torch.equal(calibrated, uncalibrated)
+    after = te_compile.recipe_state_dict(model)
+    assert after.keys() == state.keys() and all(torch.equal(after[k], v) for k, v in state.items())
+    te_compile.load_recipe_state_dict(copy, state)
+    assert torch.equal(_generate_logits(copy, ids), calibrated)
+    assert te_compile.recipe_state_dict(copy).keys() == state.keys()
