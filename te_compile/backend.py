@@ -11,6 +11,7 @@ from torch._dynamo.exc import ShortenTraceback
 from torch._guards import detect_fake_mode
 
 from .config import ConfigError, TeConfig, config_argument, resolve_config
+from .eager_experts import trace_eager_experts
 from .passes import run_passes
 from .passes.async_tp import async_tp_enabled
 from .passes.micro_pipeline import micro_pipeline_tp
@@ -19,6 +20,9 @@ from .report import Report, add_records, next_graph_id
 __all__ = ["te_backend", "backend"]
 
 log = logging.getLogger("te_compile")
+
+# transformers' eager experts loops must be registered with Dynamo before it first traces them
+trace_eager_experts()
 
 
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
@@ -107,6 +111,7 @@ def _static_examples(tensors: list, example_inputs: Sequence) -> list:
 
 def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
+    trace_eager_experts()   # classes loaded since, and the hook again after a torch._dynamo.reset()
     gm = _private_copy(gm)
     try:
         result = run_passes(gm, example_inputs, config, graph_id=next_graph_id())
