@@ -18,7 +18,7 @@ import torch.nn as nn
 
 import te_compile
 from te_compile.config import ConfigError
-from utils import run_ranks
+from utils import funcol_all_reduces, run_ranks
 
 pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
                                 reason="needs torch.distributed with gloo")
@@ -58,15 +58,6 @@ def _state(module: nn.Module) -> dict:
     return {k: v.clone() for k, v in te_compile.recipe_state_dict(module).items()}
 
 
-def _funcol_all_reduces(fn) -> int:
-    """How many functional all-reduces (te's amax reductions) run while ``fn()`` runs."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    return sum(1 for e in prof.events() if e.name == "_c10d_functional::all_reduce")
-
-
 def _pipeline(schedule_name: str, init: list) -> dict:
     """Stage r is block r on rank r; the stage's group is the 1-D "pp" mesh's (the whole world)."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -100,7 +91,7 @@ def _pipeline(schedule_name: str, init: list) -> dict:
             opt.step()
             opt.zero_grad()
 
-    all_reduces = _funcol_all_reduces(train)
+    all_reduces = funcol_all_reduces(train)
     rows = [(s.rewritten, s.collectives) for s in te_compile.report().sites if s.op == "linear"]
     return dict(stage=index, losses=losses, state=_state(block), all_reduces=all_reduces, rows=rows)
 

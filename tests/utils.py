@@ -170,6 +170,16 @@ def count_calls(gm: torch.fx.GraphModule, target) -> int:
 # Multi-process tests: gloo ranks spawned on CPU
 
 
+def funcol_all_reduces(fn) -> int:
+    """How many functional all-reduces (te's amax reductions among them) run while ``fn()`` runs
+    (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name == "_c10d_functional::all_reduce")
+
+
 def _free_port() -> int:
     import socket
 
