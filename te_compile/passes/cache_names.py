@@ -27,11 +27,12 @@ import functools
 import hashlib
 import logging
 import types
-from pathlib import Path
 from typing import Any, Optional, Sequence
 
 import torch
 import torch.fx as fx
+
+from ..tensor.cache_identity import source_digest
 
 __all__ = ["publish_lowerings", "source_digest"]
 
@@ -47,18 +48,6 @@ def __getattr__(name: str) -> object:
         return _published[name]
     except KeyError:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-
-
-@functools.cache
-def source_digest() -> str:
-    """A digest of every Python file of the te_compile package (paths and bytes), once per process:
-    what a lowering traces to depends on all of them (lowerings, kernels, tensors, recipes)."""
-    root = Path(__file__).resolve().parents[1]
-    h = hashlib.blake2b(digest_size=16)
-    for path in sorted(root.rglob("*.py")):
-        h.update(str(path.relative_to(root)).encode())
-        h.update(path.read_bytes())
-    return h.hexdigest()
 
 
 class _NoStableKey(Exception):

@@ -18,6 +18,8 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch.utils._pytree import tree_map
 
+from .cache_identity import subclass_cache_hash
+
 __all__ = [
     "Quantizer",
     "QuantizedTensorStorage",
@@ -211,6 +213,12 @@ class QuantizedTensor(torch.Tensor):
         """Drop the kept high-precision values (once the master weights are initialized)."""
         if self._hp_init is not None:
             self._hp_init[0] = None
+
+    def _stable_hash_for_caching(self) -> str:
+        """torch.compile: AOTAutograd's cache key for this tensor as a graph input, the same in every
+        process (cache_identity.py); every subclass's ``__tensor_flatten__`` gives what it covers."""
+        names, metadata = self.__tensor_flatten__()
+        return subclass_cache_hash(self, names, metadata)
 
     def _copy_target(self, kwargs: dict) -> tuple[torch.dtype, dict]:
         """For ``aten._to_copy(self, **kwargs)``: (the copy's nominal dtype, the kwargs that move each
