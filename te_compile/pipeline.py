@@ -32,7 +32,7 @@ class PipelineStageInfo:
     index: int
     stages: int
     ranks: tuple[int, ...]
-    world: int   # ranks in the world, for messages
+    world: int   # ranks in the world: a stage group of all of them leaves no data-parallel ranks
 
     def __str__(self) -> str:
         return (f"pipeline stage {self.index} of {self.stages} (PipelineStage's group: ranks {list(self.ranks)} "
