@@ -32,8 +32,10 @@ transformers modules loaded so far, each time Dynamo starts compiling a frame (a
 
 from __future__ import annotations
 
+import __future__
 import ast
 import inspect
+import logging
 import sys
 import textwrap
 import types
@@ -43,6 +45,8 @@ import torch
 import torch._dynamo
 
 __all__ = ["trace_eager_experts"]
+
+log = logging.getLogger("te_compile")
 
 _PACKAGE = "transformers.models."
 # the loop's first two statements, with ``{t}`` its target's name
@@ -91,7 +95,9 @@ def _every_expert(fn: types.FunctionType) -> Optional[types.FunctionType]:
     ast.increment_lineno(tree, fn.__code__.co_firstlineno - 1)
     ast.fix_missing_locations(tree)
     namespace: dict = {}
-    exec(compile(tree, fn.__code__.co_filename, "exec"), fn.__globals__, namespace)   # noqa: S102
+    # annotations left unevaluated, as the def's own module may only import their names for type checkers
+    code = compile(tree, fn.__code__.co_filename, "exec", flags=__future__.annotations.compiler_flag, dont_inherit=True)
+    exec(code, fn.__globals__, namespace)   # noqa: S102
     twin = namespace[fn.__name__]
     twin.__defaults__, twin.__kwdefaults__ = fn.__defaults__, fn.__kwdefaults__
     twin.__qualname__ = fn.__qualname__
@@ -110,7 +116,11 @@ def _loop_functions(module: types.ModuleType) -> Iterator[types.FunctionType]:
 
 
 def _register(fn: types.FunctionType) -> bool:
-    twin = _every_expert(fn)
+    try:
+        twin = _every_expert(fn)
+    except Exception as e:   # runs inside Dynamo's compile start: a loop we cannot rebuild stays eager
+        log.debug("te_compile: %s left to transformers' eager loop (%r)", fn.__qualname__, e)
+        twin = None
     _twins[fn] = twin
     if twin is None:
         return False
