@@ -37,7 +37,7 @@ Numerics, against the unfused path of the same precision:
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -45,7 +45,7 @@ import torch.nn.functional as F
 
 from ..distributed import is_dtensor, reduce_amaxes
 from ..gemm.per_tensor import column_major, fp8_gemm
-from ..kernels.norm_quantize import norm_backward, norm_quantize, norm_stats
+from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
 from ..recipe import Recipe
@@ -187,7 +187,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """The chunked output layer and loss. x2d [M, K], w_nk [V, K], bias [V] or None, labels int [M].
 
     ``shard``: this rank's vocab slice when the weight is sharded by vocab (vocab_parallel.py; w_nk and
-    bias are then the local rows), else None. DelayedScaling passes its carrier and the three roles'
+    bias are then the local rows), else None. ``x_full``: the layer's whole input when x2d holds only
+    the rows the loss reads (the causal shift), its amax taken for x2d's scale; else None. DelayedScaling passes its carrier and the three roles'
     scales as the linears do (the backward returns [input, weight, grad_output] amaxes as the
     carrier's gradient); otherwise None for all four. Returns (loss, logits [M, V] or None): the
     logits only when ``spec.logits_steps`` >= 0, as a non-differentiable output (nothing reads them
@@ -195,7 +196,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, shard, carrier, x_scale, w_scale,
+    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, shard, x_full, carrier, x_scale, w_scale,
                 g_scale):
         recipe = spec.recipe
         ctx.spec, ctx.chunks, ctx.shard, ctx.has_bias = spec, chunks, shard, bias is not None
@@ -213,7 +214,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                                recipe.fp8_format.dtype_for("input"))[0]
             x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
         elif recipe is not None:
-            xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale)
+            # the unfused layer quantizes all of its input's rows, the sliced-off ones too (the causal
+            # shift's last position): its amax, so the kept rows get the unfused bytes and scale
+            x_amax = tensor_amax(x_full) if x_full is not None else None
+            xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
         if recipe is not None:
             w_amax = None
             if shard is not None and w_scale is None and not weight_is_operand(w_nk, recipe):
@@ -328,9 +332,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             has_w, has_b = ctx.has_norm
             dnw, dnb = (dnw if has_w else None), (dnb if has_b else None)
         carrier_grad = None
-        if recipe is not None and ctx.needs_input_grad[9]:
+        if recipe is not None and ctx.needs_input_grad[10]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, db, None, dnw, dnb, None, None, None, carrier_grad, None, None, None
+        return dx, dw, db, None, dnw, dnb, None, None, None, None, carrier_grad, None, None, None
 
 
 def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
@@ -365,8 +369,12 @@ class LinearCrossEntropyLowering:
     the loss reads (the pass replays the logits' row slicing on it); w: [V, K] ([K, V] with
     ``spec.weight_in_out``); b: [V] or None; labels: the loss's targets, one per row of x; norm_w,
     norm_b: the fused norm's weight and bias, or None; delayed: DelayedScaling's (carrier, input,
-    weight, grad_output scales) or empty. Under autocast the operands are cast as the linear would
-    cast them.
+    weight, grad_output scales) or empty; x_full: the layer's whole input [..., K] when x holds a slice
+    of its rows (the pass replayed the logits' row slicing on x), so FP8 scales come from all rows as
+    the unfused layer's do. Under autocast the operands are cast as the linear would cast them and the
+    loss is computed and returned in fp32, as autocast runs cross_entropy; a fused norm then runs in
+    plain torch in front (as lowerings/norm_fusion.py does under autocast), since autocast changes the
+    dtypes the norm kernels were specialised for.
     """
 
     def __init__(self, spec: LinearCrossEntropySpec) -> None:
@@ -377,42 +385,50 @@ class LinearCrossEntropyLowering:
         if spec.norm is not None and spec.recipe is None:
             raise ValueError("a norm is fused into the output layer under a per-tensor FP8 recipe only")
         self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        # under autocast: the loss in fp32, as autocast runs log_softmax / cross_entropy (the cast's
+        # backward hands dz back in the layer's dtype, as autograd does); a fused norm runs unfused
+        upcast = spec.steps + (("cast", torch.float32),)
+        self._autocast = (replace(spec, steps=upcast), replace(spec, steps=upcast, norm=None))
         self.__name__ = f"te_linear_cross_entropy_{spec.recipe.name if spec.recipe else 'hp'}"
         self.__qualname__ = self.__name__
         self.__module__ = __name__
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                  norm_w: Optional[torch.Tensor] = None, norm_b: Optional[torch.Tensor] = None,
-                 *delayed: Optional[torch.Tensor]):
+                 *delayed: Optional[torch.Tensor], x_full: Optional[torch.Tensor] = None):
         dtype = autocast_dtype(x)
-        if dtype is not None:
-            if self.spec.norm is not None:
-                raise RuntimeError(f"{self!r}: a norm fused into the output layer under autocast is not supported; "
-                                   "set [rewrite] rms_norm / layer_norm = false")
-            x, weight = x.to(dtype), weight.to(dtype)
-            bias = bias.to(dtype) if bias is not None else None
-            with torch.autocast(x.device.type, enabled=False):
-                return self._call(x, weight, bias, labels, norm_w, norm_b, delayed)
-        return self._call(x, weight, bias, labels, norm_w, norm_b, delayed)
+        if dtype is None:
+            return self._call(self.spec, x, weight, bias, labels, norm_w, norm_b, delayed, x_full)
+        spec = self._autocast[0]
+        if self.spec.norm is not None:
+            x = norm_forward_reference(x.reshape(-1, x.shape[-1]), norm_w, norm_b, spec.norm)[0].reshape(x.shape)
+            spec, norm_w, norm_b = self._autocast[1], None, None
+        x, weight = x.to(dtype), weight.to(dtype)
+        bias = bias.to(dtype) if bias is not None else None
+        x_full = x_full.to(dtype) if x_full is not None else None
+        with torch.autocast(x.device.type, enabled=False):
+            return self._call(spec, x, weight, bias, labels, norm_w, norm_b, delayed, x_full)
 
-    def _call(self, x, weight, bias, labels, norm_w, norm_b, delayed):
-        w_nk = weight.t() if self.spec.weight_in_out else weight
+    def _call(self, spec, x, weight, bias, labels, norm_w, norm_b, delayed, x_full):
+        w_nk = weight.t() if spec.weight_in_out else weight
         logits_shape = (*x.shape[:-1], w_nk.shape[0])
         plan = None
         if is_dtensor(x) or is_dtensor(w_nk):   # tensor parallel: the vocab sharded over one mesh dim
             try:
-                plan = plan_vocab_parallel(x, weight, bias, labels, w_in_out=self.spec.weight_in_out)
+                plan = plan_vocab_parallel(x, weight, bias, labels, w_in_out=spec.weight_in_out)
             except ValueError as e:
                 raise ValueError(f"{self!r}: {e}") from None
-            if self.spec.norm is not None:
+            if spec.norm is not None:
                 raise ValueError(f"{self!r}: a norm fused into a vocab-parallel output layer is not supported")
             x, w_nk, bias, labels = plan.local_operands(x, w_nk, bias, labels)
+            if is_dtensor(x_full):   # read for its amax only
+                x_full = x_full.detach().to_local()
         x2d = x.reshape(-1, x.shape[-1])
         m = x2d.shape[0]
-        rows = chunk_rows(size_hint(m), x2d.shape[1], w_nk.shape[0], self.spec.chunk)
+        rows = chunk_rows(size_hint(m), x2d.shape[1], w_nk.shape[0], spec.chunk)
         chunks = max(1, -(-size_hint(m) // rows))
         loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), norm_w, norm_b,
-                                                        self.spec, chunks, plan.shard if plan else None,
+                                                        spec, chunks, plan.shard if plan else None, x_full,
                                                         *(delayed or (None,) * 4))
         if logits is not None:
             logits = logits.reshape(*logits_shape[:-1], w_nk.shape[0])

@@ -282,19 +282,22 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
 
 def _replace(graph: fx.Graph, loss: fx.Node, path: _Path, lowering: LinearCrossEntropyLowering,
              operands: tuple) -> None:
-    """The loss becomes ``lowering(x rows, w, b, labels, *extra)[0]``; the graph output that read the
-    exposed logits takes ``[1]``; the chain and the layer go."""
+    """The loss becomes ``lowering(x rows, w, b, labels, *extra, x_full=x)[0]`` (``x_full`` only when
+    rows were sliced off); the graph output that read the exposed logits takes ``[1]``; the chain and
+    the layer go."""
     x, *rest = operands
     moves = list(path.moves)
     while moves and moves[-1][0] == "rows":   # the lowering flattens the rows itself (and returns the
         moves.pop()                           # logits in the layer's own shape)
+    # a row slice drops rows the unfused layer still quantizes: the op takes the whole input for its amax
+    kwargs = {"x_full": x} if any(kind == "getitem" for kind, _ in moves) else {}
     with graph.inserting_before(loss):
         for kind, index in moves:   # the logits' row moves, replayed on the layer's input
             if kind == "getitem":
                 x = graph.call_function(operator.getitem, (x, index))
             else:
                 x = graph.call_method("reshape", (x, -1, value_of(operands[0]).shape[-1]))
-        call = graph.call_function(lowering, (x, *rest))
+        call = graph.call_function(lowering, (x, *rest), kwargs)
         new_loss = graph.call_function(operator.getitem, (call, 0))
         logits = graph.call_function(operator.getitem, (call, 1)) if path.exposed is not None else None
     new_loss.meta.update(loss.meta)
