@@ -24,12 +24,13 @@ from typing import Optional
 import torch.fx as fx
 
 from ..distributed import is_dtensor
+from ..lowerings.linear import autocast_dtype
 from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering
 from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
 from .graphs import GraphScope
 from .norm_sites import NormSite, find_norm_sites
-from .matching import dtype_of, method_or_name, shape_text, written_between
+from .matching import dtype_of, method_or_name, shape_text, value_of, written_between
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .context import PassContext
 
@@ -87,7 +88,8 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
                                                  f"{why}", recipe.name if recipe is not None else None)
                 continue
             _fuse_into_loss(scope, site, loss, casts)
-            _record(ctx, scope, site, True, f"fused into {loss.target.spec.fqn}'s output layer and loss", recipe.name)
+            _record(ctx, scope, site, True, f"fused into {loss.target.spec.fqn}'s output layer and loss"
+                                            f"{_autocast_note(site)}", recipe.name)
             count += 1
             continue
         if not readers.linears:
@@ -118,9 +120,19 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
             _record(ctx, scope, site, False, written, recipe)
             continue
         reason = _fuse(scope, site, chosen, left, order)
-        _record(ctx, scope, site, True, reason, recipe)
+        _record(ctx, scope, site, True, reason + _autocast_note(site), recipe)
         count += 1
     return count
+
+
+def _autocast_note(site: NormSite) -> str:
+    """What the report adds when the graph is compiled under autocast (Dynamo guards on its state, so
+    the graph runs under it): the fused lowerings then compute the norm in plain torch ahead of the
+    FP8 GEMMs, since autocast changes the dtypes the norm kernels were specialised for."""
+    dtype = autocast_dtype(value_of(site.x)) if value_of(site.x) is not None else None
+    if dtype is None:
+        return ""
+    return f"; under autocast ({str(dtype).removeprefix('torch.')}) the norm runs in plain torch ahead of them"
 
 
 def _loss_casts(site: NormSite, loss: fx.Node) -> Optional[tuple]:
