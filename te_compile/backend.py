@@ -12,6 +12,7 @@ from torch._guards import detect_fake_mode
 
 from .config import ConfigError, TeConfig, config_argument, resolve_config
 from .eager_experts import trace_eager_experts
+from .library_warnings import ignore_library_warnings
 from .passes import run_passes
 from .passes.async_tp import async_tp_enabled
 from .passes.micro_pipeline import micro_pipeline_tp
@@ -21,8 +22,10 @@ __all__ = ["te_backend", "backend"]
 
 log = logging.getLogger("te_compile")
 
-# transformers' eager experts loops must be registered with Dynamo before it first traces them
+# transformers' eager experts loops and one-time warnings must be registered with Dynamo before it
+# first traces them
 trace_eager_experts()
+ignore_library_warnings()
 
 
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,

@@ -22,7 +22,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "te_compile"
 # weights) sit beside the lowerings, on the recipe -> quantizer layer both use.
 LAYERS = [
     ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
-     "te_compile.report", "te_compile.eager_experts"],
+     "te_compile.report", "te_compile.eager_experts", "te_compile.library_warnings"],
     ["te_compile.kernels"],
     ["te_compile.distributed", "te_compile.state", "te_compile.config", "te_compile.context_parallel",
      "te_compile.pipeline"],
