@@ -11,17 +11,26 @@ schedule (GPipe, 1F1B) that call comes from the stage itself (``PipelineStage.fo
 ``forward_maybe_with_nosync`` -> ``submod(...)``), so the stage object is on the Python stack while
 the backend runs. Its process group (``group=``, the world when None) holds one rank per stage of
 this rank's pipeline.
+
+The schedule also keeps several micro-batches in flight (GPipe: every forward, then every backward;
+1F1B: stage 0 of 2 runs F0 F1 B0 B1), so DelayedScaling cannot advance its state in each graph's
+backward there: B0's update writes the histories and scales in place that F1's graph saved for B1
+("modified by an inplace operation" at B1), and the state would advance once per micro-batch. Where
+the recipe leaves ``update_on`` unset ("auto"), te advances it at the optimizer step instead
+(``choose_update_on``), and refuses an explicit "backward" there.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
+from .config import ConfigError, TeConfig
 from .distributed import AmaxGroup
+from .recipe import Recipe
 
-__all__ = ["PipelineStageInfo", "current_stage", "confine_to_stage"]
+__all__ = ["PipelineStageInfo", "current_stage", "confine_to_stage", "choose_update_on"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +42,10 @@ class PipelineStageInfo:
     stages: int
     ranks: tuple[int, ...]
     world: int   # ranks in the world: a stage group of all of them leaves no data-parallel ranks
+    # micro-batches the stage's schedule runs per step (PipelineStage.chunks, which the schedule sets
+    # before its first forward of a training step); None where no schedule set it yet (a stage that
+    # infers shapes calls the module before that, or a schedule without backward)
+    micro_batches: Optional[int] = None
 
     def __str__(self) -> str:
         return (f"pipeline stage {self.index} of {self.stages} (PipelineStage's group: ranks {list(self.ranks)} "
@@ -61,7 +74,7 @@ def current_stage() -> Optional[PipelineStageInfo]:
                 world = dist.get_world_size()
                 ranks = (tuple(dist.get_process_group_ranks(stage.group)) if stage.group is not None
                          else tuple(range(world)))
-                return PipelineStageInfo(stage.stage_index, stage.num_stages, ranks, world)
+                return PipelineStageInfo(stage.stage_index, stage.num_stages, ranks, world, stage.chunks)
         frame = frame.f_back
     return None
 
@@ -98,3 +111,52 @@ def confine_to_stage(key: str, spec: Any, group: Optional[AmaxGroup], mesh: Any,
                          f"across stages: list the pipeline's mesh dim in distributed.pipeline_dims, or name "
                          f"the data-parallel dims or group in {key}")
     return group, ""
+
+
+def choose_update_on(config: TeConfig, stage: Optional[PipelineStageInfo]
+                     ) -> tuple[TeConfig, tuple[Recipe, ...], str]:
+    """(``config`` with DelayedScaling's ``update_on = "auto"`` resolved for ``stage``, the recipes te
+    set to "optimizer_step", the report's note for their sites).
+
+    In a stage whose schedule runs several micro-batches per step (or an unknown number), "auto"
+    becomes "optimizer_step": one update per step with the max of every micro-batch's amaxes, which the
+    hook torch.optim runs after each ``step()`` folds in (lowerings/delayed_state.py). One micro-batch
+    keeps "backward": the same state either way, and no dependence on the optimizer. An explicit
+    "backward" with several micro-batches in flight is a ConfigError naming the key, as it would fail
+    in the schedule's backward. Outside a stage "auto" stays and means "backward".
+    """
+    if stage is None or stage.micro_batches == 1:
+        return config, (), ""
+    in_flight = (f"{stage.micro_batches} micro-batches" if stage.micro_batches is not None
+                 else "micro-batches (how many: not known before its first step)")
+    chosen = []
+
+    def resolve(recipe: Optional[Recipe], key: str) -> Optional[Recipe]:
+        if recipe is None or not recipe.delayed():
+            return recipe
+        if recipe.update_on == "backward" and stage.micro_batches is not None:
+            setting = "[recipe_options] update_on" if key == "recipe_options" else f"{key}.update_on"
+            raise ConfigError(
+                f"{config.source}: {key}.update_on: 'backward' advances DelayedScaling's state in each "
+                f"graph's backward, but this graph runs in {stage}, whose schedule keeps {in_flight} in "
+                f"flight: one micro-batch's update would change the scales another's backward still "
+                f"reads; set {setting} = \"optimizer_step\" (or leave it unset, which chooses it "
+                f"here), or run the schedule with n_microbatches=1")
+        if recipe.update_on != "auto":
+            return recipe
+        resolved = replace(recipe, update_on="optimizer_step")
+        chosen.append(resolved)
+        return resolved
+
+    # an override that names the global recipe holds the same object: one resolved recipe for both
+    global_recipe = resolve(config.recipe, "recipe_options")
+    overrides = tuple(
+        replace(o, recipe=global_recipe if o.recipe is config.recipe
+                else resolve(o.recipe, f"overrides[{i}].recipe_options"))
+        for i, o in enumerate(config.overrides))
+    if not chosen:
+        return config, (), ""
+    note = (f"state advances at the optimizer step: update_on is not set and pipeline stage {stage.index} of "
+            f"{stage.stages} runs {in_flight} per step (an optimizer not from torch.optim calls "
+            f"te_compile.advance_delayed_state() after its step)")
+    return replace(config, recipe=global_recipe, overrides=overrides), tuple(chosen), note

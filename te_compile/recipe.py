@@ -245,12 +245,14 @@ class DelayedScaling(Recipe):
     # when the histories and scales advance: "backward", at the end of each compiled graph's backward
     # (one step = one backward); "optimizer_step", once per torch.optim step, with the max of every
     # backward since the last one (micro-batches of gradient accumulation and pipeline schedules,
-    # whose backwards interleave with other micro-batches' forwards and must all see one scale)
-    update_on: str = field(default="backward", kw_only=True)
+    # whose backwards interleave with other micro-batches' forwards and must all see one scale);
+    # "auto" (not set): "optimizer_step" in a pipeline stage whose schedule keeps several micro-batches
+    # in flight, where "backward" cannot work, else "backward" (te_compile/pipeline.py)
+    update_on: str = field(default="auto", kw_only=True)
 
     def __post_init__(self):
         n = self.name
-        _check_choice(n, "update_on", self.update_on, ("backward", "optimizer_step"))
+        _check_choice(n, "update_on", self.update_on, ("auto", "backward", "optimizer_step"))
         _check_type(n, "margin", self.margin, (int,), "a non-negative int")
         if self.margin < 0:
             raise ValueError(f"{n}.margin must be a non-negative int, got {self.margin!r}")

@@ -460,5 +460,5 @@ def test_update_on_optimizer_step_advances_once_per_step_with_the_max_of_every_m
 
 
 def test_update_on_names_the_allowed_values():
-    with pytest.raises(ValueError, match=r"DelayedScaling.update_on must be one of \['backward', 'optimizer_step'\], got 'step'"):
+    with pytest.raises(ValueError, match=r"DelayedScaling.update_on must be one of \['auto', 'backward', 'optimizer_step'\], got 'step'"):
         DelayedScaling(update_on="step")

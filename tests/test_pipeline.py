@@ -3,8 +3,9 @@
 Two parts:
 - a spawned world of 2 gloo ranks runs torch's pipelining tutorial as it is: a 1-D mesh named "pp"
   from init_device_mesh, its group handed to PipelineStage, one block per stage compiled with te and
-  nothing set but the recipe, under GPipe and 1F1B. Each rank also runs the whole model in one process
-  on the same micro-batches; the test process asserts on what the ranks saved.
+  nothing set but the recipe (update_on left to te, which advances the state at the optimizer step
+  with 2 micro-batches in flight), under GPipe and 1F1B. Each rank also runs the whole model in one
+  process on the same micro-batches; the test process asserts on what the ranks saved.
 - one process playing rank 0 of a fake world of 4 ((dp, pp) = 2 x 2): what "auto" and other amax
   groups resolve to there, or the compile error, for a module called by its stage's forward.
 """
@@ -29,9 +30,11 @@ MICRO_BATCHES = 2
 D, HIDDEN = 16, 32
 BATCH = (4, 3, D)   # per step: 2 micro-batches of [2, 3, D]
 SCHEDULES = ("GPipe", "1F1B")
-# DelayedScaling in a pipeline advances its state at the optimizer step (docs/distributed.md says why)
-RECIPE = {"recipe": "DelayedScaling", "compiler": "aot_eager",
-          "recipe_options": {"amax_history_len": 4, "update_on": "optimizer_step"}}
+# the tutorial's options: the recipe and nothing else ("aot_eager" only spares the test inductor's
+# compile time); update_on is te's choice in a stage (docs/distributed.md says which and why)
+RECIPE = {"recipe": "DelayedScaling", "compiler": "aot_eager"}
+# what te chooses for it in a stage whose schedule keeps several micro-batches in flight
+ONCE_PER_STEP = {"recipe_options": {"update_on": "optimizer_step"}}
 
 
 class Block(nn.Module):
@@ -92,18 +95,19 @@ def _pipeline(schedule_name: str, init: list) -> dict:
             opt.zero_grad()
 
     all_reduces = funcol_all_reduces(train)
-    rows = [(s.rewritten, s.collectives) for s in te_compile.report().sites if s.op == "linear"]
+    rows = [(s.rewritten, s.collectives, s.reason) for s in te_compile.report().sites if s.op == "linear"]
     return dict(stage=index, losses=losses, state=_state(block), all_reduces=all_reduces, rows=rows)
 
 
 def _one_process(init: list) -> dict:
-    """Both blocks in this process on the same micro-batches (no amax reduction: "none")."""
+    """Both blocks in this process on the same micro-batches (no amax reduction: "none"), the state
+    advanced once per optimizer step as te chooses in the stages."""
     torch._dynamo.reset()
     te_compile.reset()
     blocks = [Block(), Block()]
     for block, weights in zip(blocks, init):
         block.load_state_dict(weights)
-        block.compile(backend="te", options={**RECIPE, "amax_group": "none"})
+        block.compile(backend="te", options={**RECIPE, **ONCE_PER_STEP, "amax_group": "none"})
     opt = torch.optim.SGD([p for b in blocks for p in b.parameters()], lr=0.1)
     losses = []
     for step in range(STEPS):
@@ -134,20 +138,26 @@ def pipelined(tmp_path_factory):
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_tutorial_pipeline_reduces_no_amax_across_stages(pipelined, schedule):
     """The stage's group is the whole world, so no other rank runs a stage: no amax all-reduce runs,
-    and the report says why on every DelayedScaling linear."""
+    and the report says why on every DelayedScaling linear, and that te advances the state at the
+    optimizer step."""
     for rank in pipelined:
         r = rank[schedule]
         assert r["all_reduces"] == 0, r["all_reduces"]
         why = (f"none: this graph runs in pipeline stage {r['stage']} of 2 (PipelineStage's group: ranks [0, 1] "
                f"of the world's 2); no other rank runs this stage, and amax_group 'auto' reduces over "
                f"data-parallel ranks only")
-        assert r["rows"] == [(True, why)] * 2, r["rows"]
+        assert [row[:2] for row in r["rows"]] == [(True, why)] * 2, r["rows"]
+        when = (f"(global); state advances at the optimizer step: update_on is not set and pipeline stage "
+                f"{r['stage']} of 2 runs 2 micro-batches per step (an optimizer not from torch.optim calls "
+                f"te_compile.advance_delayed_state() after its step)")
+        assert all(row[2].endswith(when) for row in r["rows"]), r["rows"]
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)
 def test_each_stage_keeps_the_state_of_one_process(pipelined, schedule):
-    """Each stage's recipe state after 3 steps equals that of its block run in one process on the same
-    micro-batches, bit for bit; the last stage's losses too."""
+    """With nothing set but the recipe, each stage's recipe state after 3 steps equals that of its
+    block run in one process on the same micro-batches with update_on = "optimizer_step", bit for bit;
+    the last stage's losses too. (te's former default, an update in each backward, failed here.)"""
     for rank in pipelined:
         r, ref = rank[schedule], rank["one process"]
         expected = ref["states"][r["stage"]]
@@ -172,7 +182,7 @@ def fake_world():
     dist.destroy_process_group()
 
 
-def _stage_compile(mesh, pp: str, options: dict):
+def _stage_compile(mesh, pp: str, options: dict, micro_batches: int = MICRO_BATCHES):
     """A block compiled with te and called the way a schedule calls it, from its PipelineStage's
     forward on the mesh dim ``pp``'s group: the linears' report rows, or the compile error."""
     from torch.distributed.pipelining import PipelineStage
@@ -184,6 +194,7 @@ def _stage_compile(mesh, pp: str, options: dict):
     micro = torch.empty(2, 3, D)
     stage = PipelineStage(block, mesh[pp].get_local_rank(), 2, torch.device("cpu"), input_args=(micro,),
                           output_args=(micro.clone().requires_grad_(),), group=mesh[pp].get_group())
+    stage.chunks = micro_batches   # what a schedule sets before its first forward (no schedule runs here)
     try:
         # what forward_one_chunk calls: the stage's module, with the stage's frames on the stack
         stage.forward_maybe_with_nosync(torch.randn(2, 3, D))
@@ -219,3 +230,24 @@ def test_dp_pp_mesh_reduces_over_dp_or_asks_for_the_mesh(fake_world):
                             "other stages of the pipeline"), error
     assert _stage_compile(staged, "stage", {"mesh": staged, "distributed": {"pipeline_dims": ["stage"]}}) == [
         "amax history all-reduce over dp (2 ranks), once per optimizer step, every graph's together"] * 2
+
+
+def test_update_on_in_a_stage_follows_the_micro_batches_in_flight(fake_world):
+    """update_on left unset: "optimizer_step" with 2 micro-batches in flight (the report row says so),
+    "backward" with 1 (the same state, no dependence on the optimizer). An explicit "backward" with 2
+    is an error naming the key to set; with 1 it compiles."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "pp"))
+    per_backward = "amax history all-reduce over dp (2 ranks), one per graph and step"
+    assert _stage_compile(mesh, "pp", {"mesh": mesh}, micro_batches=1) == [per_backward] * 2
+    assert not any("optimizer step" in s.reason for s in te_compile.report().sites)
+    backward = {"mesh": mesh, "recipe_options": {"update_on": "backward"}}
+    assert _stage_compile(mesh, "pp", backward, micro_batches=1) == [per_backward] * 2
+    error = _stage_compile(mesh, "pp", backward)
+    assert error.startswith("options: recipe_options.update_on: 'backward' advances DelayedScaling's state in each "
+                     "graph's backward, but this graph runs in pipeline stage 0 of 2 (PipelineStage's group: "
+                     "ranks [0, 1] of the world's 4), whose schedule keeps 2 micro-batches in flight: one "
+                     "micro-batch's update would change the scales another's backward still reads; set "
+                     "[recipe_options] update_on = \"optimizer_step\" (or leave it unset, which chooses it "
+                     "here), or run the schedule with n_microbatches=1\n"), error

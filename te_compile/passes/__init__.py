@@ -15,7 +15,7 @@ import torch.fx as fx
 
 from ..config import ConfigError, TeConfig
 from ..distributed import graph_mesh, resolve_amax_group, resolve_context_parallel
-from ..pipeline import confine_to_stage, current_stage
+from ..pipeline import choose_update_on, confine_to_stage, current_stage
 from ..report import SiteRecord
 from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
@@ -74,6 +74,9 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     setting = config.distributed
     mesh = setting.mesh if setting.mesh is not None else graph_mesh(example_inputs)
     stage = current_stage()   # a PipelineStage calling this module: no amax group may cross its stages
+    # its schedule keeps micro-batches in flight: DelayedScaling's "auto" state update waits for the
+    # optimizer step (an inference graph has no backward and no update)
+    config, update_chosen, update_note = (config, (), "") if inference else choose_update_on(config, stage)
 
     def resolve(key: str):
         try:
@@ -94,7 +97,8 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
     ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs, inference), amax_group, expert_group,
-                      inference=inference, context_parallel=context_parallel, amax_note=amax_note)
+                      inference=inference, context_parallel=context_parallel, amax_note=amax_note,
+                      update_chosen=update_chosen, update_note=update_note)
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)

@@ -35,6 +35,10 @@ class PassContext:
     # why amax_group is None where te left the reduction out itself (a pipeline stage that holds the
     # whole world: pipeline.py), for the DelayedScaling sites' report rows; "" otherwise
     amax_note: str = ""
+    # the DelayedScaling recipes whose update_on te set to "optimizer_step" in a pipeline stage
+    # (pipeline.choose_update_on), and the note their rewritten sites' report rows end with
+    update_chosen: tuple[Recipe, ...] = ()
+    update_note: str = ""
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
@@ -45,10 +49,20 @@ class PassContext:
         """``record(rewritten, reason, recipe_name=None, collectives="")``: adds the row of the site at
         ``node``, numbered with this graph and ending with where in the model the scope is."""
         def record(rewritten: bool, reason: str, recipe_name: Optional[str] = None, collectives: str = "") -> None:
+            if rewritten and self._update_chosen_for(fqn):
+                reason += f"; {self.update_note}"
             self.record(scope, node, SiteRecord(fqn=fqn, op=op, recipe=recipe_name, rewritten=rewritten,
                                                 reason=reason + scope.where, shapes=shapes, graph=self.graph_id,
                                                 collectives=collectives))
         return record
+
+    def _update_chosen_for(self, fqn: str) -> bool:
+        """Whether the site at ``fqn`` runs under a recipe whose update_on te chose (by identity: an
+        explicit "optimizer_step" recipe with the same fields was the user's choice)."""
+        if not self.update_chosen:
+            return False
+        recipe, _ = self.config.recipe_for(fqn)
+        return any(recipe is chosen for chosen in self.update_chosen)
 
     def expert_groups(self, param: Optional[ParamRef]) -> tuple[AmaxGroup, ...]:
         """The groups DelayedScaling all-reduces an expert weight's amaxes over: the ranks that hold
