@@ -232,32 +232,49 @@ class _TwoLinears(torch.nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def test_a_graph_reading_fp8_weights_hits_the_cache_and_does_not_warn(tmp_path, monkeypatch):
-    """quantize_weights' Float8Tensor weights are graph inputs; a second compile (Dynamo reset, the
-    on-disk cache kept) finds forward in AOTAutograd's cache and computes the same bits, and torch
-    no longer warns that Float8Tensor lacks _stable_hash_for_caching."""
-    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())   # torch warns once per process
+def _fp8_weight_model(how: str) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = _TwoLinears().eval()
+    if how == "primary weights":   # trained: the Float8Tensor weights require grad
+        with te_compile.quantized_model_init(recipe=Float8CurrentScaling()):
+            return _TwoLinears()
+    model = _TwoLinears().eval()   # served: quantize_weights after loading
     done = te_compile.quantize_weights(model, Float8CurrentScaling())
     assert set(done.values()) == {"FP8 primary weight (Float8Tensor)"}, done
+    return model
+
+
+@pytest.mark.parametrize("how", ["quantize_weights", "primary weights"])
+def test_a_graph_reading_fp8_weights_hits_the_cache_and_does_not_warn(how, tmp_path, monkeypatch):
+    """Float8Tensor weights are graph inputs; a second compile (Dynamo reset, the on-disk cache kept)
+    finds the graph in AOTAutograd's cache and computes the same bits (and gradients, in training),
+    and torch no longer warns that Float8Tensor lacks _stable_hash_for_caching."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())   # torch warns once per process
+    model = _fp8_weight_model(how)
+    training = how == "primary weights"
+    assert isinstance(model.up.weight, Float8Tensor) and isinstance(model.down.weight, Float8Tensor)
     x = torch.randn(8, 32)
-    outputs, seen = [], []
+    results, seen = [], []
     with torch._inductor.config.patch(fx_graph_cache=True), \
             torch._functorch.config.patch(enable_autograd_cache=True), \
-            warnings.catch_warnings(record=True) as caught, torch.no_grad():
+            warnings.catch_warnings(record=True) as caught, torch.set_grad_enabled(training):
         warnings.simplefilter("always")
         for _ in range(2):
             torch._dynamo.reset()
             te_compile.reset()
             counters.clear()
-            outputs.append(torch.compile(model, backend="te")(x))
+            model.zero_grad()
+            out = torch.compile(model, backend="te")(x)
+            if training:
+                out.square().sum().backward()
+            results.append([out.detach()] + [p.grad for p in model.parameters() if training])
             seen.append(dict(counters["aot_autograd"]))
     assert seen[0].get("autograd_cache_miss") == 1 and not seen[0].get("autograd_cache_bypass"), seen
     assert seen[1].get("autograd_cache_hit") == 1 and not seen[1].get("autograd_cache_bypass"), seen
     linears = [r for r in te_compile.report().sites if r.op == "linear"]
     assert len(linears) == 2 and all("weight already quantized, used as is" in r.reason for r in linears), linears
-    assert torch.equal(outputs[0], outputs[1])
+    assert len(results[0]) == (5 if training else 1)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
     stale = [str(w.message) for w in caught if "_stable_hash_for_caching" in str(w.message)]
     assert not stale, stale
