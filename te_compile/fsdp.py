@@ -63,6 +63,7 @@ from .distributed import is_dtensor, local_value, mesh_dims_group, reduce_amaxes
 from .quantization import current_scale, quantize_per_tensor, weight_ineligibility, weight_quantizer
 from .scaling import cast_to_fp8, tensor_amax
 from .tensor.block_scaled_tensor import FsdpBlockMeta, fsdp_block_post_all_gather
+from .tensor.cache_identity import subclass_cache_hash
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather, fsdp_padded_shard
 from .tensor.grouped_float8_tensor import GroupedFloat8Quantizer, GroupedFsdpMeta, fsdp_grouped_post_all_gather
 
@@ -262,6 +263,12 @@ class Fp8AllGatherWeight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, ctx, outer_size, outer_stride):
         return Fp8AllGatherWeight(inner["_tensor"], *ctx)
+
+    def _stable_hash_for_caching(self) -> str:
+        """AOTAutograd's cache key for this weight as a graph input: traced code only unwraps the plain
+        weight, so its layout and the slot; not the book, which holds modules and their weights' values
+        (pickled, they would change the key at every step)."""
+        return subclass_cache_hash(self, ["_tensor"], (self._slot,))
 
     # ---- FSDP2 all-gather extension ----------------------------------------------------------
 

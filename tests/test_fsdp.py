@@ -10,12 +10,14 @@ sees the same data in both runs.
 from __future__ import annotations
 
 import math
+import warnings
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch._dynamo.utils import counters
 
 import te_compile
 from te_compile.fsdp import Fp8AllGatherWeight, _ScaleBook, _Slot, enable_fp8_all_gather
@@ -467,3 +469,30 @@ def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
                     out_dtype=torch.float32)
     assert_bitwise_equal(run(narrow)[0], want)
     assert not torch.equal(run(narrow.dequantize())[0], want)
+
+
+def test_wrapper_gives_the_compile_cache_a_stable_hash_and_torch_does_not_warn(tmp_path, monkeypatch):
+    """A traced sharded weight is keyed by its plain weight's layout and slot, not by the book (whose
+    modules hold the weights' values), and a graph reading it hits AOTAutograd's cache without torch's
+    missing-hash warning."""
+    book = _ScaleBook()
+    book.slots.append(_Slot(nn.Linear(16, 2), "weight", "w", Float8CurrentScaling()))
+    wrapped = Fp8AllGatherWeight(torch.randn(2, 16), book, 0)
+    key = wrapped._stable_hash_for_caching()
+    assert Fp8AllGatherWeight(torch.randn(2, 16) * 9, _ScaleBook(), 0)._stable_hash_for_caching() == key
+    assert len({key, Fp8AllGatherWeight(torch.randn(2, 16), book, 1)._stable_hash_for_caching(),
+                Fp8AllGatherWeight(torch.randn(16, 2), book, 0)._stable_hash_for_caching(),
+                Fp8AllGatherWeight(torch.randn(2, 16, dtype=torch.bfloat16), book, 0)._stable_hash_for_caching()}) == 4
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(torch._dynamo.utils, "warn_once_cache", set())   # torch warns once per process
+    x, seen = torch.randn(4, 16), []
+    with torch._inductor.config.patch(fx_graph_cache=True), \
+            torch._functorch.config.patch(enable_autograd_cache=True), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            torch.compile(lambda x, w: x @ w.t())(x, wrapped)
+            seen.append(dict(counters["aot_autograd"]))
+    assert seen[0].get("autograd_cache_miss") == 1 and seen[1].get("autograd_cache_hit") == 1, seen
+    assert not [w for w in caught if "_stable_hash_for_caching" in str(w.message)]
