@@ -209,6 +209,53 @@ def test_training_steps_at_fixed_shapes_compile_once(recipe):
                                                                        dict(counters["graph_break"]))
 
 
+def test_plain_gpt_graph_gets_only_its_fused_sites(monkeypatch):
+    """Compile time follows the size of the graph te hands AOTAutograd. For a GPT that uses no
+    experts, pipeline, distributed or DelayedScaling state, the default config must add nothing but
+    its fused sites: Dynamo's inputs and no more, one lowering call per fused site, every other op
+    one Dynamo traced, and fewer nodes than Dynamo's graph."""
+    import collections
+    import importlib
+
+    from te_compile.models import GPT
+
+    backend_module = importlib.import_module("te_compile.backend")
+    real_compile, real_final = backend_module._compile, backend_module._final_compiler
+    graphs = {}
+
+    def spy_compile(gm, *args, **kwargs):
+        graphs["dynamo"] = gm
+        return real_compile(gm, *args, **kwargs)
+
+    def spy_final(gm, *args, **kwargs):
+        graphs["te"] = gm
+        return real_final(gm, *args, **kwargs)
+
+    monkeypatch.setattr(backend_module, "_compile", spy_compile)
+    monkeypatch.setattr(backend_module, "_final_compiler", spy_final)
+    torch._dynamo.reset()
+    te_compile.reset()
+    n_layer = 2
+    model = GPT(vocab_size=VOCAB, n_layer=n_layer, n_head=2, n_embd=32, block_size=T)
+    compiled = torch.compile(model, backend=te_compile.backend(compiler="aot_eager"), fullgraph=True)
+    compiled(*_batch())[1].backward()
+    dynamo, te = graphs["dynamo"].graph, graphs["te"].graph
+
+    def placeholders(graph):
+        return [n.name for n in graph.find_nodes(op="placeholder")]
+
+    assert placeholders(te) == placeholders(dynamo)
+    calls = [n.target for n in te.nodes if n.op in ("call_function", "call_method")]
+    lowerings = collections.Counter(type(t).__name__ for t in calls if type(t).__module__.startswith("te_compile."))
+    # per block: ln_1 -> qkv and ln_2 -> fc, attn.proj, GELU -> mlp.proj; ln_f -> lm_head -> the loss
+    assert lowerings == {"NormLinearsLowering": 2 * n_layer, "LinearLowering": n_layer,
+                         "ActivationLinearLowering": n_layer, "LinearCrossEntropyLowering": 1}, lowerings
+    traced = {n.target for n in dynamo.nodes}
+    added = {str(t) for t in calls if not type(t).__module__.startswith("te_compile.") and t not in traced}
+    assert not added, added
+    assert len(te.nodes) < len(dynamo.nodes), (len(te.nodes), len(dynamo.nodes))
+
+
 class _MLPLoss(nn.Module):
     def __init__(self):
         super().__init__()
