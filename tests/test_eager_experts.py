@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import te_compile
 from te_compile.eager_experts import trace_eager_experts
+from test_moe_models import STEPS, VOCAB, train_moe
 from utils import assert_bitwise_equal, seed
 
 transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
@@ -16,8 +16,6 @@ transformers = pytest.importorskip("transformers", reason="needs transformers fo
 # the Dynamo settings docs/linear-sites.md names for per-expert loops: the routing's torch.where has a
 # data-dependent size
 CAPTURE = {"capture_dynamic_output_shape_ops": True, "capture_scalar_outputs": True}
-STEPS = 30
-VOCAB = 64
 LAYERS, EXPERTS = 1, 4
 
 
@@ -28,39 +26,17 @@ def _config():
         experts_implementation="eager")
 
 
-def _batches(steps: int) -> torch.Tensor:
-    """[steps, 4, 17] token ids counting up from a random start by a random stride (learnable)."""
-    gen = torch.Generator().manual_seed(1)
-    start = torch.randint(0, VOCAB, (steps, 4, 1), generator=gen)
-    stride = torch.randint(1, 4, (steps, 4, 1), generator=gen)
-    return (start + stride * torch.arange(17)) % VOCAB
-
-
-def _train(te: bool) -> list[float]:
-    torch.manual_seed(0)
+def _mixtral():
     model = transformers.MixtralForCausalLM(_config())
     assert model.config._experts_implementation == "eager"
-    torch._dynamo.reset()
-    te_compile.reset()
-    options = {"compiler": "aot_eager", "recipe": "Float8CurrentScaling"}
-    compiled = torch.compile(model, backend="te", options=options) if te else model
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    losses = []
-    for ids in _batches(STEPS):
-        loss = compiled(ids[:, :-1], labels=ids[:, 1:]).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses
+    return model
 
 
 @pytest.mark.slow
 @torch._dynamo.config.patch(CAPTURE)
 def test_mixtral_eager_experts_train_with_every_expert_gemm_rewritten():
-    high = _train(te=False)
-    low = _train(te=True)
-    report = te_compile.report()
+    high, _ = train_moe("mixtral", torch.float32, te=False, build=_mixtral)
+    low, report = train_moe("mixtral", torch.float32, te=True, build=_mixtral)
     experts = [s for s in report.sites if s.op == "grouped_linear"]
     # one row per layer, GEMM and expert, over 30 steps of other routings: compiled once
     expected = {f"w[{shape}]=model.layers.{layer}.mlp.experts.{proj}[{e}]" for layer in range(LAYERS)

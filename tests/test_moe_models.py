@@ -69,7 +69,7 @@ def _batches(steps: int) -> torch.Tensor:
     return (start + stride * torch.arange(17)) % VOCAB
 
 
-def _train(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8CurrentScaling", build=None,
+def train_moe(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8CurrentScaling", build=None,
            recipe_options=None):
     torch.manual_seed(0)
     model = (build or MODELS[name][0])().to(dtype)
@@ -98,8 +98,8 @@ CASES = [(name, torch.bfloat16) for name in MODELS] + [(name, torch.float32) for
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", CASES, ids=lambda v: {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(v, v))
 def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
-    high, _ = _train(name, dtype, te=False)
-    low, report = _train(name, dtype, te=True)
+    high, _ = train_moe(name, dtype, te=False)
+    low, report = train_moe(name, dtype, te=True)
     experts = [s for s in report.sites if s.op == "grouped_linear"]
     assert len(experts) == MODELS[name][1] and all(s.rewritten for s in experts), str(report)
     op = "bmm ->" if name == "llama4" else ("grouped_mm ->" if dtype == torch.bfloat16 else "grouped_mm_fallback ->")
@@ -115,8 +115,8 @@ def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
 def test_mixtral_trains_under_the_block_recipes(recipe):
     def build():
         return _mixtral(intermediate=64)   # MXFP8 needs K and N % 32 == 0
-    high, _ = _train("mixtral", torch.bfloat16, te=False, build=build)
-    low, report = _train("mixtral", torch.bfloat16, te=True, recipe=recipe, build=build)
+    high, _ = train_moe("mixtral", torch.bfloat16, te=False, build=build)
+    low, report = train_moe("mixtral", torch.bfloat16, te=True, recipe=recipe, build=build)
     experts = [s for s in report.sites if s.op == "grouped_linear"]
     assert len(experts) == 4 and all(s.rewritten and "per expert, emulated GEMMs" in s.reason for s in experts), \
         str(report)
@@ -130,8 +130,8 @@ def test_mixtral_trains_under_the_block_recipes(recipe):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
 def test_mixtral_trains_with_its_swiglu_inputs_saved_in_fp8(recipe):
-    high, _ = _train("mixtral", torch.bfloat16, te=False)
-    low, report = _train("mixtral", torch.bfloat16, te=True, recipe=recipe,
+    high, _ = train_moe("mixtral", torch.bfloat16, te=False)
+    low, report = train_moe("mixtral", torch.bfloat16, te=True, recipe=recipe,
                          recipe_options={"fp8_activation_input": True})
     swiglus = [s for s in report.sites if s.op == "swiglu" and "experts" in s.fqn]
     assert len(swiglus) == 2 and all(s.rewritten and "input saved for backward in FP8" in s.reason
