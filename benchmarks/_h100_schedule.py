@@ -1,11 +1,16 @@
-"""Inductor's schedule for an H100, taken on a machine without one: every kernel a compiled graph would
-launch, with the bytes it reads and writes and, for GEMMs and attention, its FLOPs.
+"""Inductor's H100 code for a compiled graph, taken on a machine without one.
 
-``Capture().scheduling()`` routes every inductor compile through a fake H100 (CUDA queries answer as
-an H100 SXM, Triton counts as present), moves the AOT graph's values to ``cuda:0`` as fake tensors,
-and reads the scheduler's fused nodes just before code generation, which it stops: nothing is
-compiled or run. ``gpu_trace()`` makes te's lowerings take their GPU path meanwhile. The cost model
-that turns these kernels into time is in project_gpu.py.
+Two captures route every inductor compile through a fake H100 (CUDA queries answer as an H100 SXM,
+Triton counts as present, the AOT graph's values are moved to ``cuda:0`` as fake tensors); nothing is
+compiled for the GPU or run:
+- ``Capture().scheduling()`` reads the scheduler's fused nodes just before code generation, which it
+  stops: every kernel with the bytes it reads and writes and, for GEMMs and attention, its FLOPs
+  (project_gpu.py turns them into time);
+- ``CodeCapture().generating()`` lets code generation finish and stops just before the output code
+  is loaded as a module: inductor's whole CUDA output code per graph (wrapper and every Triton
+  kernel), the bytes each launch of a user Triton kernel (te's, through ``torch.library.triton_op``)
+  passes in its tensor arguments, and the scheduler's view of the same graph (offline.py reads them).
+``gpu_trace()`` makes te's lowerings take their GPU path meanwhile.
 """
 
 from __future__ import annotations
@@ -13,19 +18,20 @@ from __future__ import annotations
 import contextlib
 import re
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 from unittest import mock
 
 import torch
 import torch.fx as fx
+import torch.nn as nn
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from _common import wrapping_inductor_inner
 
-__all__ = ["Kernel", "Capture", "gpu_trace"]
+__all__ = ["Kernel", "Capture", "GeneratedGraph", "CodeCapture", "gpu_trace", "fake_module"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 SMALL_BUFFER = 1 << 20   # bytes: outputs below this are amaxes, scales, per-row stats, partial sums
@@ -49,6 +55,7 @@ class Kernel:
     writes: tuple[str, ...] = ()
     writes_fp8: bool = False
     small_outputs: bool = False      # every output is below SMALL_BUFFER bytes
+    opaque: bool = False             # an extern op other than a GEMM, attention or a user Triton kernel
 
     @property
     def bytes(self) -> int:
@@ -83,37 +90,60 @@ class _Scheduled(Exception):
     """Raised in place of code generation once the scheduler's fused nodes are read."""
 
 
+def _as_on_sm90(check: Callable) -> Callable:
+    """te's grouped GEMM dispatch predicate ``check(mat_a, mat_b, out_dtype)``, asked of fake operands
+    of the same dtypes on an sm90 ``cuda:0``."""
+    from te_compile.gemm import grouped
+
+    def ask(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype: torch.dtype) -> bool:
+        with FakeTensorMode():
+            a = torch.empty((), dtype=mat_a.dtype, device=_CUDA)
+            b = torch.empty((), dtype=mat_b.dtype, device=_CUDA)
+        with mock.patch.object(grouped, "get_device_compute_capability", lambda device: (9, 0)):
+            return check(a, b, out_dtype)
+
+    return ask
+
+
 @contextlib.contextmanager
 def gpu_trace():
     """The CPU trace takes the GPU path: te's per-tensor GEMMs are ``torch._scaled_mm`` (not the CPU
-    emulation) and its norms the Triton kernels (te_compile::norm_stats / norm_quantize /
-    norm_backward), and Triton targets sm90, so that torch can read those kernels' TTIR to learn which
-    arguments they write (without it, it assumes every input is written and copies each one)."""
+    emulation), its norms the Triton kernels (te_compile::norm_stats / norm_quantize /
+    norm_backward), its expert GEMMs the CUTLASS grouped GEMMs of an sm90 (``torch._scaled_grouped_mm``,
+    or ``torch._grouped_mm`` for E5M2 operands, with each group padded to GROUP_ALIGN rows), and Triton
+    targets sm90, so that torch can read the norm kernels' TTIR to learn which arguments they write
+    (without it, it assumes every input is written and copies each one)."""
     import triton
     from triton.backends.compiler import GPUTarget
-    from te_compile.gemm import per_tensor
+    from te_compile.gemm import grouped, per_tensor
     from te_compile.kernels import norm_quantize
+    from te_compile.passes import grouped_linear
+
+    align = grouped_linear._align
+
+    def align_on_sm90(site, recipe):
+        # a per-tensor recipe's groups are padded wherever a CUTLASS grouped GEMM runs them, which on
+        # an sm90 is every FP8 format (the scaled op for E4M3, the bf16 one for E5M2 operands)
+        return grouped.GROUP_ALIGN if recipe.per_tensor else align(site, recipe)
 
     sm90 = types.SimpleNamespace(get_current_target=lambda: GPUTarget("cuda", 90, 32))
     with mock.patch.object(per_tensor, "cpu_emulates_scaled_mm", lambda: False), \
             mock.patch.object(norm_quantize, "_on_gpu",
                               lambda x, spec: norm_quantize.HAS_TRITON and norm_quantize._kernel_ok(spec)), \
+            mock.patch.object(grouped, "uses_native_grouped_gemm", _as_on_sm90(grouped.uses_native_grouped_gemm)), \
+            mock.patch.object(grouped, "uses_bf16_grouped_gemm", _as_on_sm90(grouped.uses_bf16_grouped_gemm)), \
+            mock.patch.object(grouped_linear, "_align", align_on_sm90), \
             mock.patch.object(triton.runtime.driver, "_active", sm90):
         yield
 
 
 @contextlib.contextmanager
-def _fake_h100(on_schedule: Callable):
-    """Inductor lowers and schedules for an H100 on this machine: CUDA queries answer with an H100 SXM
-    (sm90), Triton counts as present, and ``Scheduler.codegen`` hands the fused nodes to
-    ``on_schedule`` and stops."""
+def _fake_h100():
+    """Inductor lowers, schedules and generates code for an H100 on this machine: CUDA queries answer
+    with an H100 SXM (sm90) and Triton counts as present."""
     from torch._dynamo.device_interface import CudaInterface
     from torch._inductor import scheduler as sched
     from torch._inductor.runtime.hints import DeviceProperties
-
-    def codegen(self):
-        on_schedule(self)
-        raise _Scheduled()
 
     props = staticmethod(lambda device=None: _H100_PROPERTIES)
     patches = [
@@ -129,7 +159,6 @@ def _fake_h100(on_schedule: Callable):
         (CudaInterface.Worker, "get_device_properties", props),
         (CudaInterface.Worker, "current_device", staticmethod(lambda: 0)),
         (sched, "has_triton", lambda: True),
-        (sched.Scheduler, "codegen", codegen),
         # Tensor.copy_'s Python binding takes a device guard, which a CPU-only build has none of for
         # CUDA; the op itself runs on fake tensors (inductor's passes copy fake values)
         (torch.Tensor, "copy_", lambda self, src, non_blocking=False: torch.ops.aten.copy_.default(
@@ -142,6 +171,22 @@ def _fake_h100(on_schedule: Callable):
             yield
         finally:
             DeviceProperties.create.cache_clear()   # no fake H100 left for a real GPU run after this
+
+
+def fake_module(build: Callable[[], nn.Module], mode: FakeTensorMode, dtype: torch.dtype) -> nn.Module:
+    """``build()`` with fake ``dtype`` parameters on the CPU, and fake buffers of their own dtype (full
+    size, no storage): built on the meta device, so nothing of its size is ever allocated."""
+    with torch.device("meta"):
+        module = build()
+    with mode:
+        for sub in module.modules():
+            for name, p in list(sub._parameters.items()):
+                if p is not None:
+                    sub._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dtype))
+            for name, b in list(sub._buffers.items()):
+                if b is not None:
+                    sub._buffers[name] = torch.empty(b.shape, dtype=b.dtype)
+    return module
 
 
 def _to_cuda(mode: FakeTensorMode, value):
@@ -397,7 +442,7 @@ def _kernels(scheduler, graph: str) -> list[Kernel]:
             elif isinstance(node, ir.UserDefinedTritonKernel):
                 kernel.name = _user_kernel_name(node)
             else:
-                kernel.name = name
+                kernel.name, kernel.opaque = name, True
         else:
             kernel.name = _fused_name(snode)
         out.append(kernel)
@@ -412,11 +457,18 @@ class Capture:
         self.kernels: list[Kernel] = []
 
     def _inner(self, inner: Callable) -> Callable:
+        from torch._inductor import scheduler as sched
+
         def project(gm, example_inputs, **kwargs):
             graph = "bwd" if kwargs.get("is_backward") else "fwd"
             cuda_gm, cuda_inputs = _on_cuda(gm, example_inputs)
             scheduled: list[Kernel] = []
-            with _fake_h100(lambda s: scheduled.extend(_kernels(s, graph))):
+
+            def codegen(scheduler):
+                scheduled.extend(_kernels(scheduler, graph))
+                raise _Scheduled()
+
+            with _fake_h100(), mock.patch.object(sched.Scheduler, "codegen", codegen):
                 try:
                     inner(cuda_gm, cuda_inputs, **kwargs)
                 except Exception:
@@ -428,4 +480,96 @@ class Capture:
         return project
 
     def scheduling(self):
+        return wrapping_inductor_inner(self._inner)
+
+
+# ---- the generated code ------------------------------------------------------------------------------
+
+@dataclass
+class GeneratedGraph:
+    """Inductor's output code for one AOT graph, as an H100 would load it."""
+
+    graph: str                                  # "fwd" or "bwd"
+    code: str                                   # the module's source: wrapper and every kernel
+    # one entry per launch of a user Triton kernel (te's kernels through torch.library.triton_op), in
+    # launch order: (the wrapper's name for the kernel, bytes of its distinct tensor arguments).
+    # Inductor's kernel_num_gb exists only for the kernels it writes, so these are counted here.
+    user_launches: list[tuple[str, int]] = field(default_factory=list)
+    scheduled: list[Kernel] = field(default_factory=list)   # the scheduler's launches (_kernels)
+    schedule_error: str = ""                    # why ``scheduled`` is empty, if it is
+
+
+class _Generated(Exception):
+    """Raised in place of loading the output code once it is written."""
+
+
+def _argument_bytes(raw_args) -> int:
+    """Bytes of a kernel launch's tensor arguments, each distinct view once: size x itemsize."""
+    from torch._inductor import ir
+    from torch._inductor.virtualized import V
+
+    seen: dict[str, int] = {}
+    for arg in raw_args or ():
+        if not isinstance(arg, ir.IRNode):
+            continue
+        try:
+            numel = 1
+            for s in arg.get_size():
+                numel *= int(V.graph.sizevars.optimization_hint(s, fallback=0))
+            seen[arg.codegen_reference()] = numel * arg.get_dtype().itemsize
+        except (AttributeError, NotImplementedError, TypeError):   # not a tensor (a TMA descriptor, a layout)
+            continue
+    return sum(seen.values())
+
+
+class CodeCapture:
+    """While ``generating()`` is active, every inductor compile generates its H100 output code, which
+    is kept (``graphs``), and hands AOTAutograd fake outputs instead of a loaded module."""
+
+    def __init__(self) -> None:
+        self.graphs: list[GeneratedGraph] = []
+
+    def _inner(self, inner: Callable) -> Callable:
+        from torch._inductor import scheduler as sched
+        from torch._inductor.codegen.wrapper import PythonWrapperCodegen
+        from torch._inductor.graph import GraphLowering
+
+        codegen = sched.Scheduler.codegen
+        kernel_call = PythonWrapperCodegen.generate_kernel_call
+
+        def generate(gm, example_inputs, **kwargs):
+            out = GeneratedGraph("bwd" if kwargs.get("is_backward") else "fwd", "")
+            cuda_gm, cuda_inputs = _on_cuda(gm, example_inputs)
+
+            def read_schedule(scheduler):
+                try:
+                    out.scheduled = _kernels(scheduler, out.graph)
+                except Exception as e:   # another torch's internals: the code is still worth having
+                    out.schedule_error = f"{type(e).__name__}: {e}"
+                return codegen(scheduler)
+
+            def record_user_kernel(wrapper, kernel_name, call_args, **kw):
+                # only a user Triton kernel's call names its FX node (UserDefinedTritonKernel.codegen)
+                if kw.get("original_fxnode_name") is not None:
+                    out.user_launches.append((kernel_name, _argument_bytes(kw.get("raw_args"))))
+                return kernel_call(wrapper, kernel_name, call_args, **kw)
+
+            def keep_code(lowering, wrapper_code):
+                out.code = wrapper_code.value
+                raise _Generated()
+
+            with _fake_h100(), mock.patch.object(sched.Scheduler, "codegen", read_schedule), \
+                    mock.patch.object(PythonWrapperCodegen, "generate_kernel_call", record_user_kernel), \
+                    mock.patch.object(GraphLowering, "_compile_to_module_lines", keep_code):
+                try:
+                    inner(cuda_gm, cuda_inputs, **kwargs)
+                except Exception:
+                    if not out.code:   # failed before the code was written: a real error
+                        raise
+            self.graphs.append(out)
+            return _fake_outputs(gm, detect_fake_mode(example_inputs))
+
+        return generate
+
+    def generating(self):
         return wrapping_inductor_inner(self._inner)

@@ -93,7 +93,7 @@ import te_compile
 from te_compile.cli import _torchao_float8   # the demo's peer conversion
 from te_compile.models import Block
 
-from _h100_schedule import Capture, Kernel, gpu_trace
+from _h100_schedule import Capture, Kernel, fake_module, gpu_trace
 
 GOALS = {"vs inductor": 1.35, "vs torchao": 1.1}
 DEFAULT_SIZE = "8x2048x4096"
@@ -178,18 +178,6 @@ EXTRA_PROVIDERS = {"torchao float8 (emulate=True)": BlockProvider(
 DEFAULT_PROVIDERS = tuple(PROVIDERS)
 
 
-def _fake_block(mode: FakeTensorMode, c: int, heads: int) -> Block:
-    """``Block(c, heads)`` with fake bf16 parameters on the CPU: full size, no storage."""
-    with torch.device("meta"):
-        block = Block(c, heads)
-    with mode:
-        for module in block.modules():
-            for name, p in list(module._parameters.items()):
-                if p is not None:
-                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=torch.bfloat16))
-    return block
-
-
 def project_provider(provider: BlockProvider, b: int, t: int, c: int, heads: int) -> Projection:
     """The projected kernels of one block step (forward + backward) under ``provider``."""
     import torch._functorch.config as functorch_config
@@ -198,7 +186,7 @@ def project_provider(provider: BlockProvider, b: int, t: int, c: int, heads: int
     start = time.perf_counter()
     torch._dynamo.reset()
     mode = FakeTensorMode(allow_non_fake_inputs=True)
-    block = _fake_block(mode, c, heads)
+    block = fake_module(lambda: Block(c, heads), mode, torch.bfloat16)
     with mode:   # x, dy: [B, T, C] bf16, the block's input and its output's gradient
         x = torch.empty(b, t, c, dtype=torch.bfloat16, requires_grad=True)
         dy = torch.empty(b, t, c, dtype=torch.bfloat16)
