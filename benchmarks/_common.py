@@ -27,7 +27,6 @@ import datetime
 import json
 import os
 import platform
-import statistics
 import traceback
 import sys
 import time
@@ -37,6 +36,7 @@ from typing import Callable, Optional
 import torch
 from tabulate import tabulate
 
+import _record
 import te_compile
 from te_compile.cli import _torchao_float8   # the demo's peer conversion, shared with every torchao row
 
@@ -197,21 +197,16 @@ def _sync(device: torch.device) -> None:
 
 def time_step(step: Callable[[], None], device: torch.device, iters: int, warmup: int
               ) -> tuple[float, float]:
-    """(seconds of the first call (compile), median seconds per call over ``iters`` calls)."""
+    """(seconds of the first call (compile), median seconds per call over ``iters`` calls).
+
+    The calls after the first are timed by ``_record.time_steps``: CUDA events between back-to-back
+    calls, one synchronize at the end."""
     t0 = time.perf_counter()
     step()
     _sync(device)
     first = time.perf_counter() - t0
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return first, statistics.median(times)
+    timing = _record.time_steps(step, warmup=warmup, iters=iters, device=device)
+    return first, timing["median_ms"] / 1e3
 
 
 def make_row(size: str, provider: Provider, first_s: Optional[float], median_s: Optional[float],
@@ -340,3 +335,122 @@ def wrapping_inductor_inner(wrap: Callable[[Callable], Callable]):
         yield
     finally:
         cfx.compile_fx = original
+
+
+# ---- the lease kit (benchmarks/lease.sh): one process per provider, rows through _record --------------
+
+# The dense providers every lease part compares, by the names results rows carry
+LEASE_PROVIDERS = ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao float8 tensorwise",
+                   "torchao float8 rowwise")
+
+
+def add_lease_args(parser: argparse.ArgumentParser, providers: tuple[str, ...]) -> None:
+    """The options lease_parts.py passes to a benchmark run as one lease part."""
+    group = parser.add_argument_group("lease kit (benchmarks/lease.sh runs these; see docs/benchmarks.md)")
+    group.add_argument("--providers", nargs="+", metavar="NAME",
+                       help=f"run only these providers, each compiled once (default: {', '.join(providers)}); "
+                            "with --jsonl, rows go to results.jsonl instead of a table")
+    group.add_argument("--jsonl", metavar="PATH", help="append one row per measurement (benchmarks/_record.py)")
+    group.add_argument("--kernels-csv", metavar="PATH",
+                       help="profile each provider's compiled step and append its kernels here")
+    group.add_argument("--trace-dir", metavar="DIR", help="Chrome traces of the profiled steps")
+    group.add_argument("--code-dir", metavar="DIR",
+                       help="inductor and Triton caches, one folder per provider (its generated code)")
+    group.add_argument("--profile-steps", type=int, default=2, help="steps under the profiler (default 2)")
+    group.add_argument("--dry", action="store_true",
+                       help="CPU at tiny shapes, providers compiled with aot_eager: checks the lease "
+                            "kit end to end in seconds, measures nothing")
+    group.add_argument("--ncu-target", action="store_true",
+                       help="no timing: compile, warm up, then one step inside the NVTX range "
+                            "'lease_ncu' (what ncu --nvtx-include profiles)")
+
+
+def lease_compiler(args: argparse.Namespace) -> str:
+    """inductor, or aot_eager in a dry run (a CPU compile of a te step takes a minute cold)."""
+    return "aot_eager" if args.dry else "inductor"
+
+
+def lease_backend(provider: str, args: argparse.Namespace, **te_options) -> Callable[[torch.nn.Module], Callable]:
+    """nn.Module -> compiled callable for a lease provider name: "bf16" (torch.compile), "te <Recipe>"
+    (backend="te", ``te_options`` added) or "torchao float8 <tensorwise|rowwise>" (module swap, then
+    torch.compile). Raises ImportError for torchao providers without torchao."""
+    compiler = lease_compiler(args)
+    if provider.startswith("bf16"):
+        return lambda m: torch.compile(m, backend=compiler, dynamic=False)
+    if provider.startswith("te "):
+        recipe = provider.split()[1]
+        if recipe not in TE_RECIPES:
+            raise ValueError(f"provider {provider!r}: recipe must be one of {tuple(TE_RECIPES)}")
+        options = dict(TE_RECIPES[recipe], recipe=recipe, compiler=compiler, **te_options)
+        return lambda m: torch.compile(m, backend=te_compile.backend(**options), dynamic=False)
+    if provider.startswith("torchao float8"):
+        recipe = provider.split()[-1]
+        if not torchao_available():
+            raise ImportError(TORCHAO_MISSING)
+        device = "cuda" if torch.cuda.is_available() and not args.dry else "cpu"
+        return lambda m: torch.compile(torchao_convert(m, recipe, device), backend=compiler, dynamic=False)
+    raise ValueError(f"provider must begin with 'bf16', 'te <Recipe>' or 'torchao float8', got {provider!r}")
+
+
+def lease_step(args: argparse.Namespace, *, part: str, provider: str, shape: str, build: Callable[[], Callable],
+               warmup: int, iters: int, tokens: Optional[int] = None, flops: Optional[float] = None,
+               **extra) -> Optional[float]:
+    """Build, compile, time and profile one provider's step as one lease measurement; returns the median
+    ms (None when it failed, and a row says why).
+
+    ``build()`` returns the step (it compiles on its first call). The one compile serves the timed steps,
+    the profile and the generated code under --code-dir. Rows: ``ms`` (event-timed median, spread =
+    p90 - p10), ``tokens_per_s`` with ``tokens``, ``TFLOP/s`` with ``flops``."""
+    if args.code_dir:
+        _record.provider_cache_dir(os.path.join(args.code_dir, part), provider)
+    torch._dynamo.reset()
+    te_compile.reset()
+    try:
+        step = build()
+        t0 = time.perf_counter()
+        step()                          # compiles
+        _sync(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+        first_s = time.perf_counter() - t0
+        if args.ncu_target:
+            for _ in range(warmup):
+                step()
+            with torch.cuda.nvtx.range("lease_ncu") if torch.cuda.is_available() else contextlib.nullcontext():
+                step()
+            _sync(torch.device("cuda" if torch.cuda.is_available() else "cpu"))
+            print(f"{part} {provider}: ran one step in the NVTX range lease_ncu", flush=True)
+            return None
+        timing = _record.time_steps(step, warmup=warmup, iters=iters, device=lease_device(args))
+    except Exception as e:   # one provider failing must not hide the others (Ctrl-C / SIGINT still stops)
+        note = ("skipped: " + str(e)) if isinstance(e, ImportError) else failure_note(e, limit=300)
+        print(f"{part} {provider}: {note}", flush=True)
+        if args.jsonl:
+            _record.write_row(args.jsonl, part=part, provider=provider, shape=shape, metric="ms", median=None,
+                              note=note, **extra)
+        return None
+    median = timing["median_ms"]
+    spread = timing["p90_ms"] - timing["p10_ms"]
+    common = dict(part=part, provider=provider, shape=shape)
+    row_extra = dict(extra, p10=timing["p10_ms"], p90=timing["p90_ms"], iters=iters, first_call_s=round(first_s, 2))
+    _record.write_row(args.jsonl, metric="ms", median=median, spread=spread, **common, **row_extra)
+    if tokens:
+        _record.write_row(args.jsonl, metric="tokens_per_s", median=tokens / (median / 1e3),
+                          spread=tokens / (timing["p10_ms"] / 1e3) - tokens / (timing["p90_ms"] / 1e3),
+                          **common, **extra)
+    if flops:
+        _record.write_row(args.jsonl, metric="TFLOP/s", median=flops / (median / 1e3) / 1e12, **common, **extra)
+    print(f"{part} {provider} {shape}: {median:.3f} ms (p10 {timing['p10_ms']:.3f}, p90 {timing['p90_ms']:.3f}), "
+          f"first call {first_s:.1f} s", flush=True)
+    if args.kernels_csv:
+        trace_dir = args.trace_dir or os.path.dirname(os.path.abspath(args.kernels_csv))
+        trace = os.path.join(trace_dir, f"{part}-{_record.provider_slug(provider)}-"
+                                        f"{_record.provider_slug(shape)}.json")
+        _record.profile_steps(step, steps=args.profile_steps, trace_path=trace, csv_path=args.kernels_csv,
+                              part=part, provider=provider, step_ms=median, shape=shape)
+    return median
+
+
+def lease_device(args: argparse.Namespace) -> torch.device:
+    """cuda unless --dry or no GPU; --dry forces the CPU so the kit's test runs anywhere."""
+    if args.dry or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda")

@@ -8,7 +8,7 @@ A row carries at least::
     provider  "bf16 ...", "te <Recipe>" or "torchao ..." (e.g. "te Float8CurrentScaling")
     shape     the sizes, the model shape's name and "fwd" or "fwd+bwd" ("1x8192 llama3-8b-4L fwd+bwd")
     metric    tokens_per_s | ms | GB/s | TFLOP/s | ...
-    median, spread (p90 - p10 where timed), device, torch, date
+    median, spread (p90 - p10 where timed), device, torch, triton, cuda, date, git, run
 
 Timing on CUDA uses events recorded between back-to-back steps with a single synchronize at the end:
 a host sync per step adds the launch latency of the next step to every sample (a copy measured that
@@ -45,7 +45,7 @@ __all__ = [
     # writing rows
     "write_row", "PARTS", "PROVIDER_PREFIXES", "KERNEL_COLUMNS",
     # timing and profiling
-    "time_steps", "profile_steps",
+    "time_steps", "bench_kernel", "profile_steps",
     # per-provider generated code
     "provider_cache_dir", "provider_slug",
 ]
@@ -57,7 +57,7 @@ PROVIDER_PREFIXES = ("bf16", "te", "torchao")
 
 # kernels.csv columns, in order; calls and times are totals over the profiled steps
 KERNEL_COLUMNS = ("part", "provider", "shape", "kernel", "calls", "total_us", "avg_us", "per_step_us",
-                  "calls_per_step", "steps", "step_sum_us", "step_ms", "device")
+                  "calls_per_step", "steps", "step_sum_us", "step_ms", "device", "run")
 
 
 def _git_revision() -> str:
@@ -121,6 +121,9 @@ def write_row(path: str, *, part: str, provider: str, shape: str, metric: str, m
     info = device_info()
     for key in ("device", "torch", "triton", "cuda", "date", "git"):
         row[key] = info[key]
+    # which invocation of lease.sh wrote the row: a part rerun on a warm machine adds rows, and readers
+    # keep the latest run's
+    row["run"] = os.environ.get("LEASE_RUN", "")
     row.update(extra)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "a") as f:
@@ -178,6 +181,25 @@ def time_steps(step_fn: Callable[[], object], *, warmup: int, iters: int,
     return _summary(samples)
 
 
+def bench_kernel(fn: Callable[[], object], *, graph: bool = False, device: Optional[torch.device] = None) -> dict:
+    """Time one kernel-sized call like ``time_steps`` (same keys; samples empty on CUDA).
+
+    On CUDA ``triton.testing.do_bench`` (L2 flushed between calls, events around each) or, with ``graph``,
+    ``do_bench_cudagraph`` (the calls replayed from a CUDA graph: no launch overhead at all); on a CPU
+    ``time_steps`` with a few iterations."""
+    cuda = (torch.device(device).type == "cuda") if device is not None else torch.cuda.is_available()
+    if not cuda:
+        return time_steps(fn, warmup=1, iters=5)
+    from triton import testing
+
+    quantiles = [0.5, 0.1, 0.9]
+    if graph:
+        median, p10, p90 = testing.do_bench_cudagraph(fn, rep=100, quantiles=quantiles)
+    else:
+        median, p10, p90 = testing.do_bench(fn, warmup=25, rep=100, quantiles=quantiles)
+    return {"median_ms": median, "p10_ms": p10, "p90_ms": p90, "samples": []}
+
+
 def _is_device_event(evt) -> bool:
     """A kernel, memcpy or memset that ran on the GPU (not a CPU op or a runtime call)."""
     device_type = getattr(evt, "device_type", None)
@@ -232,7 +254,8 @@ def profile_steps(step_fn: Callable[[], object], *, steps: int, trace_path: str,
              "total_us": round(total[name], 3), "avg_us": round(total[name] / calls[name], 3),
              "per_step_us": round(total[name] / steps, 3), "calls_per_step": calls[name] / steps,
              "steps": steps, "step_sum_us": round(step_sum_us, 3),
-             "step_ms": None if step_ms is None else round(float(step_ms), 4), "device": device}
+             "step_ms": None if step_ms is None else round(float(step_ms), 4), "device": device,
+             "run": os.environ.get("LEASE_RUN", "")}
             for name in sorted(total, key=lambda n: -total[n])]
     kept = rows if top is None else rows[:top]
     os.makedirs(os.path.dirname(os.path.abspath(csv_path)), exist_ok=True)

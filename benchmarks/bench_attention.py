@@ -5,6 +5,7 @@ saved for the backward, and the error against fp32 SDPA, measured side by side i
     python benchmarks/bench_attention.py --device cuda            # the goal's shape: 4x32x4096x128, bf16
     python benchmarks/bench_attention.py --cp 2                   # context parallel: 2 spawned gloo ranks (CPU)
     torchrun --nproc-per-node 2 benchmarks/bench_attention.py --cp 2 --device cuda   # a GPU per rank
+    python benchmarks/bench_attention.py --jsonl results.jsonl --kernels-csv kernels.csv   # a lease part
 
 Providers: ``sdpa`` (torch.compile with inductor: torch's flash / math SDPA), ``te fp8 (hp bwd)`` and
 ``te fp8 (fp8 bwd)`` (torch.compile(backend="te") with ``fp8_dpa``), and on CUDA with the
@@ -23,7 +24,9 @@ rank all-gathers per step (K and V in FP8, and their positions) against the same
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -34,6 +37,19 @@ from tabulate import tabulate
 import te_compile
 from te_compile.distributed import mesh_dim_group
 from te_compile.kernels.fp8_attention import quantize_heads
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common  # noqa: E402
+import _record  # noqa: E402
+
+# lease part providers: bf16 SDPA (whichever backend torch picks: the row names it), te's FP8 attention
+# with the high-precision and the FP8 backward
+LEASE_PROVIDERS = ("bf16 sdpa", "te fp8 attention hp-bwd", "te fp8 attention fp8-bwd")
+# (aten op that ran, backend name); the first whose op appears in the profile wins
+_SDPA_OPS = (("_scaled_dot_product_cudnn_attention", "cudnn"), ("_scaled_dot_product_flash_attention_for_cpu",
+             "flash (CPU)"), ("_scaled_dot_product_flash_attention", "flash"),
+             ("_scaled_dot_product_efficient_attention", "mem-efficient"),
+             ("_scaled_dot_product_attention_math", "math"), ("fp8_attention", "te FP8 attention"))
 
 
 class Attention(nn.Module):
@@ -200,6 +216,69 @@ def _cp_main(args) -> None:
     mp.spawn(_cp_worker, args=(args.cp, port, args), nprocs=args.cp, join=True)
 
 
+def _attention_backend(fn, *inputs) -> str:
+    """Which attention ran in one call of ``fn``: read off the op names the profiler records (SDPA
+    picks its backend per call from the inputs and the enabled backends, so ask what actually ran)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn(*inputs)
+    names = {e.name for e in prof.events()}
+    for op, label in _SDPA_OPS:
+        if any(op in name for name in names):
+            return label
+    hits = sorted(n for n in names if "attention" in n.lower() or "flash" in n.lower())
+    return "unknown: " + (", ".join(hits[:4]) or "no attention op in the profile")
+
+
+def lease_main(args) -> None:
+    """The lease part: each provider's forward and forward + backward, rows to --jsonl with the SDPA
+    backend that ran."""
+    device = _common.lease_device(args)
+    cuda = device.type == "cuda"
+    b, h, t, d = (int(v) for v in (args.shape or ("4x32x4096x128" if cuda else "1x2x64x16")).split("x"))
+    dtype = torch.bfloat16 if cuda else torch.float32
+    causal = not args.no_causal
+    gen = torch.Generator(device).manual_seed(0)
+    q, k, v = (torch.randn(b, h, t, d, generator=gen, device=device, dtype=dtype, requires_grad=True)
+               for _ in range(3))
+    do = torch.randn(b, h, t, d, generator=gen, device=device, dtype=dtype)
+    flags = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
+             for name in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
+    print(f"attention {b}x{h}x{t}x{d}: SDPA backends enabled {flags}", flush=True)
+    iters = args.iters or (20 if cuda else 3)
+    for provider in args.providers or LEASE_PROVIDERS:
+        if provider.startswith("te "):
+            mode = "fp8" if provider.endswith("fp8-bwd") else "high_precision"
+            backend = te_compile.backend(recipe="Float8CurrentScaling", fp8_dpa=True, fp8_dpa_backward=mode,
+                                         compiler=_common.lease_compiler(args))
+        else:
+            backend = _common.lease_compiler(args)
+        holder = {}
+
+        def build_fwd(backend=backend):
+            holder["fn"] = torch.compile(Attention(causal), backend=backend)
+
+            def fwd():
+                with torch.no_grad():
+                    holder["fn"](q, k, v)
+            return fwd
+
+        def build_step(backend=backend):
+            fn = torch.compile(Attention(causal), backend=backend)
+            return lambda: torch.autograd.grad(fn(q, k, v), (q, k, v), do)
+        base = f"{b}x{h}x{t}x{d} {'causal' if causal else 'full'}"
+        ran = {}
+        for shape, build in ((f"{base} fwd", build_fwd), (f"{base} fwd+bwd", build_step)):
+            median = _common.lease_step(args, part="attention", provider=provider, shape=shape, build=build,
+                                        warmup=2, iters=iters, flags=str(flags), **ran)
+            if median is not None and "fn" in holder and not ran:
+                ran["attention_backend"] = _attention_backend(holder["fn"], q, k, v)
+                print(f"attention {provider}: {ran['attention_backend']} ran", flush=True)
+                _record.write_row(args.jsonl, part="attention", provider=provider, shape=f"{base} fwd",
+                                  metric="backend", median=None, attention_backend=ran["attention_backend"])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
@@ -210,7 +289,11 @@ def main() -> None:
                         help="context parallel over N ranks (default shape: 1x32x16384x128 CUDA, 1x4x512x64 CPU)")
     parser.add_argument("--compiler", choices=("inductor", "aot_eager"), default="inductor",
                         help="te's final compiler for --cp (default: inductor)")
+    _common.add_lease_args(parser, LEASE_PROVIDERS)
     args = parser.parse_args()
+    if args.jsonl or args.ncu_target:
+        lease_main(args)
+        return
     if args.cp:
         if args.cp < 2:
             raise SystemExit(f"--cp must be >= 2, got {args.cp}")

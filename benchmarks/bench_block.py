@@ -4,6 +4,8 @@ float8 (tensorwise and rowwise, when torchao is installed: ``pip install -e '.[b
     python benchmarks/bench_block.py                           # CPU: small models, fp32 baseline
     python benchmarks/bench_block.py --device cuda             # CUDA: width 1024/2048, bf16 baseline
     python benchmarks/bench_block.py --sizes 8x128x256 --layers 2 --iters 10 --json out.json
+    python benchmarks/bench_block.py --providers bf16 "te Float8CurrentScaling" --jsonl results.jsonl \
+        --kernels-csv kernels.csv --code-dir code      # a lease part: rows, kernels, generated code
 
 Sizes are BxTxC: batch B, sequence T (= block_size), width C of te_compile.models.GPT with --layers
 blocks, max(4, C // 128) heads and the byte vocabulary (256). The model is compiled; the AdamW step
@@ -23,6 +25,9 @@ from te_compile.models import GPT
 
 CPU_SIZES = "8x64x128,8x128x256"
 CUDA_SIZES = "8x1024x1024,4x2048x2048"
+# the lease part: one block at 2 x 2048 tokens, width 4096 (the figure both earlier leases measured);
+# --dry: 2 x 32 tokens, width 64
+LEASE_SIZE = {"cuda": (2, 2048, 4096), "cpu": (2, 32, 64)}
 
 
 def _model(t: int, c: int, layers: int, device: torch.device, dtype: torch.dtype) -> GPT:
@@ -58,13 +63,34 @@ def _builder(b: int, t: int, c: int, layers: int, device: torch.device, dtype: t
     return build
 
 
+def lease_main(args) -> None:
+    """The lease part: each of --providers compiled once, timed, profiled, its rows to --jsonl."""
+    device = _common.lease_device(args)
+    dtype = _common.baseline_dtype(device)
+    b, t, c = (_common.parse_sizes(args.sizes, "BxTxC")[0] if args.sizes else LEASE_SIZE[device.type])
+    layers = args.layers or 1
+    shape = f"{b}x{t}x{c} gpt-{layers}L fwd+bwd"
+    cuda = device.type == "cuda"
+    for provider in args.providers or _common.LEASE_PROVIDERS:
+        def build(provider=provider):
+            return _builder(b, t, c, layers, device, dtype)(_common.lease_backend(provider, args))
+        _common.lease_step(args, part="block", provider=provider, shape=shape, build=build,
+                           warmup=3 if cuda else 1, iters=args.iters or (20 if cuda else 3), tokens=b * t,
+                           flops=_flops(b, t, c, layers, dtype), optimizer="AdamW (eager, foreach)",
+                           dtype=str(dtype).replace("torch.", ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", help=f"BxTxC list (default CPU: {CPU_SIZES}; CUDA: {CUDA_SIZES})")
     parser.add_argument("--layers", type=int, default=None, help="GPT blocks (default: 2 on CPU, 4 on CUDA)")
     _common.add_common_args(parser)
+    _common.add_lease_args(parser, _common.LEASE_PROVIDERS)
     args = parser.parse_args()
+    if args.jsonl or args.ncu_target:
+        lease_main(args)
+        return
     device = _common.resolve_device(args)
     dtype = _common.baseline_dtype(device)
     layers = args.layers or (4 if device.type == "cuda" else 2)

@@ -3,6 +3,8 @@ measured side by side in one run.
 
     python benchmarks/bench_moe.py                  # CPU: small shapes (see SHAPES)
     python benchmarks/bench_moe.py --device cuda    # Mixtral-like and small-expert shapes, 16k tokens
+    python benchmarks/bench_moe.py --providers bf16 "te Float8CurrentScaling" --jsonl results.jsonl
+                                                    # a lease part: rows, kernels, generated code
 
 The layer (``MoELayer``, written as torchtitan writes one): a router (``nn.Linear``, top-k of a
 softmax), each token's copies sorted by expert, the experts as three grouped GEMMs with a SwiGLU
@@ -49,7 +51,11 @@ from te_compile.models import Experts  # noqa: E402
 SHAPES = {
     "cuda": {"mixtral": (8, 2, 4096, 14336, 16384), "small experts": (64, 8, 2048, 1408, 16384)},
     "cpu": {"mixtral": (8, 2, 256, 512, 1024), "small experts": (32, 8, 128, 96, 512)},
+    # the lease kit's --dry: the same code paths in seconds
+    "dry": {"mixtral": (4, 2, 32, 64, 64), "small experts": (8, 4, 32, 32, 64)},
 }
+# lease part providers; "E4M3" puts the gradients in E4M3 (HYBRID's E5M2 has no scaled grouped GEMM)
+LEASE_PROVIDERS = ("bf16", "te Float8CurrentScaling", "te Float8CurrentScaling E4M3", "torchao MoE float8 rowwise")
 GOALS = {"mixtral": 1.3, "small experts": 1.0, "saved_cpu": 0.6}
 TE_RECIPES = ("Float8CurrentScaling", "DelayedScaling", "Float8BlockScaling", "MXFP8BlockScaling")
 PER_TENSOR = ("Float8CurrentScaling", "DelayedScaling")
@@ -160,6 +166,39 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
     return rows
 
 
+def _lease_prepare(provider: str, args) -> Callable:
+    """MoELayer -> compiled layer for a lease provider name."""
+    compiler = _common.lease_compiler(args)
+    if provider == "torchao MoE float8 rowwise":
+        if not _common.torchao_available():
+            raise ImportError(_common.TORCHAO_MISSING)
+        return lambda m: torch.compile(_torchao_moe(m), backend=compiler, dynamic=False)
+    if provider.startswith("te ") and provider.endswith(" E4M3"):
+        return _common.lease_backend(provider[:-len(" E4M3")], args, fp8_format="E4M3")
+    return _common.lease_backend(provider, args)
+
+
+def lease_main(args) -> None:
+    """The lease part: each of --providers compiled once per shape, timed, profiled, rows to --jsonl."""
+    device = _common.lease_device(args)
+    cuda = device.type == "cuda"
+    dtype = _common.baseline_dtype(device)
+    for provider in args.providers or LEASE_PROVIDERS:
+        for name in args.shapes:
+            experts, top_k, hidden, ffn, tokens = SHAPES["cuda" if cuda else "dry"][name]
+            shape = f"E{experts} top{top_k} {hidden}x{ffn} T{tokens} {name.replace(' ', '-')} fwd+bwd"
+
+            def build(provider=provider, experts=experts, top_k=top_k, hidden=hidden, ffn=ffn, tokens=tokens):
+                torch.manual_seed(0)
+                layer = MoELayer(experts, top_k, hidden, ffn).to(device=device, dtype=dtype)
+                x = torch.randn(tokens, hidden, device=device, dtype=dtype)
+                model = _lease_prepare(provider, args)(layer)
+                return lambda: model(x)[1].backward()
+            _common.lease_step(args, part="moe", provider=provider, shape=shape, build=build,
+                               warmup=3 if cuda else 1, iters=args.iters or (10 if cuda else 3), tokens=tokens,
+                               flops=6.0 * 3 * tokens * top_k * hidden * ffn, dtype=str(dtype).replace("torch.", ""))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -171,7 +210,11 @@ def main() -> None:
     parser.add_argument("--no-fp8-act-input", action="store_true",
                         help="skip the fp8_activation_input rows")
     _common.add_common_args(parser)
+    _common.add_lease_args(parser, LEASE_PROVIDERS)
     args = parser.parse_args()
+    if args.jsonl or args.ncu_target:
+        lease_main(args)
+        return
     device = _common.resolve_device(args)
     if device.type == "cpu":
         args.iters = min(args.iters, 5)

@@ -1,0 +1,172 @@
+#!/usr/bin/env bash
+# The lease kit: everything a lent GPU should measure, in parts, each under its own timeout, with
+# everything kept for reading afterwards on a CPU (benchmarks/lease_report.py).
+#
+#   bash benchmarks/lease.sh                 # the first call's parts (= call1), in value order
+#   bash benchmarks/lease.sh call2           # the second call's parts
+#   bash benchmarks/lease.sh moe ncu         # named parts only (a rerun on the still-warm machine)
+#   bash benchmarks/lease.sh --dry [PART..]  # every part on the CPU at tiny shapes (LEASE_DRY=1 too)
+#
+# A lease is 15 minutes of device time, the machine's start (1-2 minutes) included: two calls of at most
+# 9 minutes each (run's timeout_s=540), the second right after the first while the machine is warm. The
+# parts' budgets (seconds, the hard limit of each part's timeout -s INT) sum to under LEASE_SECONDS
+# (default 505) per call, leaving time to package:
+#
+#   call1  setup 40     install the checkout (--no-deps) and the carried torchao wheel; env.json
+#          ceilings 50  copy bandwidth (do_bench and CUDA-graph replay), bf16 / FP8 GEMM at 8192^3,
+#                       torch._scaled_mm with and without fast accumulation at the step's GEMM shapes,
+#                       torch._grouped_mm against torch._scaled_grouped_mm at the MoE shapes
+#          step 230     bench_step.py: the Llama 3 8B-shaped 4-layer step, 1 x 8192 tokens, five providers,
+#                       each in its own process
+#          moe 90       bench_moe.py: one MoE layer (Mixtral-like, then small experts), four providers
+#          block 90     bench_block.py: the GPT block step at 2 x 2048 x 4096 (the earlier leases' figure)
+#   call2  setup 20     (already installed: seconds)
+#          attention 60 bench_attention.py: FP8 attention against SDPA at 4 x 32 x 4096 x 128, the SDPA
+#                       backend that ran logged
+#          kernels 60   bench_quantize.py: the quantize and RMSNorm + quantize kernels, in GB/s against copy
+#          smoke 90     a Hugging Face Llama trains 50 steps under te and bf16: loss within 1%
+#          ncu 100      Nsight Compute (--clock-control none) on te's slowest Triton kernels of the block
+#          tests 170    the CUDA tests (pytest -n 8, --junitxml), stopped by SIGINT so the summary is written
+#
+# Every provider is compiled once per process, and that compile serves the timed steps, the profile,
+# the generated code (a TORCHINDUCTOR_CACHE_DIR per provider) and ncu (which finds it in that cache).
+# Steps are timed by CUDA events over back-to-back steps, kernels by triton.testing.do_bench.
+#
+# Where things go: the work folder LEASE_WORK (default /tmp/te_lease, outside the checkout, whose device
+# copy is lost) collects every part's rows, profiles, code and logs across the calls of one lease, and
+# each call ends by packaging it into $OUT (the device tool's return folder; ./lease_out elsewhere) as
+# the 8 files the tool brings back, each under 16 MiB:
+#   summary.txt (also printed last), results.jsonl, kernels.csv, traces.tar.gz, inductor_code.tar.gz,
+#   ncu.tar.gz, logs.tar.gz, timings.tsv
+# The second call's files hold both calls' rows. Commit results.jsonl as
+# benchmarks/results/<date>-<device>.jsonl and read the rest with `python benchmarks/lease_report.py OUT`.
+#
+# Environment: PYTHON (default python3, the image's, which holds torch), LEASE_WORK, OUT, LEASE_SECONDS,
+# TE_COMPILE_REV (the git revision, for the rows: the device's copy of the tree has no .git).
+# torchao comes as a wheel in .whl/ (git-ignored; name it in run's carry).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+T0=$SECONDS
+
+DRY=${LEASE_DRY:-0}
+parts=()
+part_only=""
+if [ "${1:-}" = __part ]; then part_only=$2; part_limit=$3; set --; fi   # one part, inside its timeout
+for arg in "$@"; do
+    case "$arg" in
+        --dry) DRY=1 ;;
+        call1) parts+=(setup ceilings step moe block) ;;
+        call2) parts+=(setup attention kernels smoke ncu tests) ;;
+        all) parts+=(setup ceilings step moe block attention kernels smoke ncu tests) ;;
+        setup|ceilings|step|moe|block|attention|kernels|smoke|ncu|tests) parts+=("$arg") ;;
+        *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe block attention kernels smoke" \
+                "ncu tests, or call1, call2, all, and --dry" >&2; exit 2 ;;
+    esac
+done
+[ ${#parts[@]} -eq 0 ] && parts=(setup ceilings step moe block)
+
+PY=${PYTHON:-python3}
+if [ "$DRY" = 1 ]; then
+    WORK=${LEASE_WORK:-/tmp/te_lease_dry}
+    OUT=${OUT:-$ROOT/lease_out}
+    DEADLINE=${LEASE_SECONDS:-900}
+    export CUDA_VISIBLE_DEVICES=""
+    export TORCHINDUCTOR_CPP_ENABLE_KERNEL_PROFILE=1   # CPU kernels named in the profile, as GPU ones are
+else
+    WORK=${LEASE_WORK:-/tmp/te_lease}
+    OUT=${OUT:-$ROOT/lease_out}
+    DEADLINE=${LEASE_SECONDS:-505}
+fi
+mkdir -p "$WORK/logs" "$OUT"
+export LEASE_WORK=$WORK LEASE_DRY=$DRY PYTHON=$PY OUT PYTHONUNBUFFERED=1
+export LEASE_RUN=${LEASE_RUN:-$(date -u +%Y%m%dT%H%M%SZ)}
+# inductor writes each Triton kernel's byte estimate (kernel_num_gb) into the generated code
+export TORCHINDUCTOR_BENCHMARK_KERNEL=1
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+[ -d "$WORK/site/torchao" ] && export PYTHONPATH="$WORK/site:$PYTHONPATH"
+
+# budget PART: seconds on a GPU (the header's plan); a dry part gets 150
+budget() {
+    if [ "$DRY" = 1 ]; then echo 150; return; fi
+    case "$1" in
+        setup) if [ -f "$WORK/logs/env.json" ]; then echo 20; else echo 40; fi ;;
+        ceilings) echo 50 ;; step) echo 230 ;; moe) echo 90 ;; block) echo 90 ;;
+        attention) echo 60 ;; kernels) echo 60 ;; smoke) echo 90 ;; ncu) echo 100 ;; tests) echo 170 ;;
+    esac
+}
+
+install() {
+    if [ "$DRY" = 1 ]; then echo "dry: the checkout and its environment as they are"; return 0; fi
+    if ! "$PY" -m pip show -q te_compile > /dev/null 2>&1; then
+        "$PY" -m pip install --no-deps --no-build-isolation --no-index -e . || return 1
+    fi
+    if ls .whl/torchao-*.whl > /dev/null 2>&1 && [ ! -d "$WORK/site/torchao" ]; then
+        "$PY" -m pip install --no-index --no-deps --no-compile --target "$WORK/site" .whl/torchao-*.whl || return 1
+    fi
+    [ -d "$WORK/site/torchao" ] && export PYTHONPATH="$WORK/site:$PYTHONPATH"
+    return 0
+}
+
+# the command of each part (run in the part's timeout; its output is logs/PART.log)
+part_cmd() {
+    local dry_flag=()
+    [ "$DRY" = 1 ] && dry_flag=(--dry)
+    case "$1" in
+        setup) install && "$PY" benchmarks/lease_parts.py setup "${dry_flag[@]}" ;;
+        ceilings) "$PY" benchmarks/lease_parts.py ceilings "${dry_flag[@]}" ;;
+        block|moe|attention|kernels)
+            "$PY" benchmarks/lease_parts.py bench "$1" --budget "$2" "${dry_flag[@]}" ;;
+        step)
+            if [ ! -f benchmarks/bench_step.py ]; then echo "step: benchmarks/bench_step.py is missing"; return 127; fi
+            local providers=("bf16" "te Float8CurrentScaling" "te DelayedScaling" "torchao float8 tensorwise"
+                             "torchao float8 rowwise")
+            [ "$DRY" = 1 ] && providers=("bf16" "te Float8CurrentScaling")
+            "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --jsonl "$WORK/results.jsonl" \
+                --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" --code-dir "$WORK/code/step" \
+                "${dry_flag[@]}" ;;
+        smoke) "$PY" benchmarks/lease_parts.py smoke "${dry_flag[@]}" ;;
+        ncu) "$PY" benchmarks/lease_parts.py ncu --budget "$2" "${dry_flag[@]}" ;;
+        tests)
+            if [ "$DRY" = 1 ]; then
+                "$PY" benchmarks/lease_parts.py tests -- -q -n 0 -rfEs tests/test_fp_bits.py -k "e4m3 and not kernel"
+            else
+                # the kernel, GEMM and attention tests: on a GPU their Triton kernels compile for real
+                "$PY" benchmarks/lease_parts.py tests -- -q -rfEs -n 8 --durations=20 tests/test_kernel_*.py \
+                    tests/test_fp_bits.py tests/test_fp8_gemm.py tests/test_block_gemm.py tests/test_float8_tensor.py \
+                    tests/test_fp8_attention.py tests/test_kernels_compile.py tests/test_experiment_*.py \
+                    tests/test_grouped_linear.py tests/test_linear_cross_entropy.py
+            fi ;;
+    esac
+}
+
+if [ -n "$part_only" ]; then
+    part_cmd "$part_only" "$part_limit"
+    exit $?
+fi
+
+package() {
+    "$PY" benchmarks/lease_parts.py package --work "$WORK" --out "$OUT"
+}
+trap 'echo "lease.sh: interrupted, packaging what there is"; package; exit 130' INT TERM
+
+for part in "${parts[@]}"; do
+    left=$(( DEADLINE - (SECONDS - T0) ))
+    limit=$(budget "$part")
+    (( limit > left )) && limit=$left
+    if (( limit < 10 )); then
+        printf '%s\tskipped\t0\t%s\t%s\t%s\n' "$part" "$limit" "$(date -u +%H:%M:%S)" "$LEASE_RUN" >> "$WORK/timings.tsv"
+        echo "lease: $part skipped, $left s left of this call's $DEADLINE"
+        continue
+    fi
+    start=$SECONDS
+    [ -d "$WORK/site/torchao" ] && [[ ":$PYTHONPATH:" != *":$WORK/site:"* ]] && export PYTHONPATH="$WORK/site:$PYTHONPATH"
+    # SIGINT first, so pytest and the benchmarks write what they have; SIGKILL 15 s later if still running
+    timeout -s INT -k 15 "$limit" bash "$ROOT/benchmarks/lease.sh" __part "$part" "$limit" > "$WORK/logs/$part.log" 2>&1
+    rc=$?
+    printf '%s\t%s\t%s\t%s\t%s\t%s\n' "$part" "$rc" "$((SECONDS - start))" "$limit" "$(date -u +%H:%M:%S)" \
+        "$LEASE_RUN" >> "$WORK/timings.tsv"
+    echo "lease: $part rc $rc in $((SECONDS - start)) s (limit $limit)"
+    grep -vE "^USDT|profiler_(start|stop)" "$WORK/logs/$part.log" | tail -n 4 | sed 's/^/    /'
+done
+package

@@ -1,0 +1,587 @@
+"""The Python half of the lease kit (benchmarks/lease.sh): the parts that need logic, and packaging.
+
+    python benchmarks/lease_parts.py setup    --work W     # env.json: versions, SMs, clocks, power, git
+    python benchmarks/lease_parts.py ceilings --work W     # copy bandwidth, GEMM and grouped-GEMM ceilings
+    python benchmarks/lease_parts.py bench PART --work W   # block | moe | attention | kernels: one
+                                                           # process per provider (all in one with --dry)
+    python benchmarks/lease_parts.py smoke    --work W     # a Hugging Face Llama trains under te vs bf16
+    python benchmarks/lease_parts.py ncu      --work W     # Nsight Compute on te's slowest Triton kernels
+    python benchmarks/lease_parts.py tests    --work W -- PYTEST_ARGS
+    python benchmarks/lease_parts.py package  --work W --out OUT   # the 8 files, summary.txt printed
+
+The work folder W (/tmp/te_lease on a lease) outlives one device call while the machine stays warm, so
+a second call's package holds both calls' rows. Every measurement is one row of W/results.jsonl
+(benchmarks/_record.py); ``--dry`` runs each part on the CPU at tiny shapes with providers compiled
+through aot_eager, which checks the kit end to end and measures nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from typing import Callable, Optional
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+
+__all__ = ["PART_PROVIDERS", "OUT_FILES", "MAX_FILE_BYTES", "main"]
+
+# The files a lease brings back (the device tool returns at most 8, each under 16 MiB)
+OUT_FILES = ("summary.txt", "results.jsonl", "kernels.csv", "traces.tar.gz", "inductor_code.tar.gz",
+             "ncu.tar.gz", "logs.tar.gz", "timings.tsv")
+MAX_FILE_BYTES = 15 * 2**20          # a margin under the tool's 16 MiB
+
+# bench PART -> (script, providers on a GPU, providers in --dry, extra arguments); the names are the ones
+# each script's --providers accepts
+PART_PROVIDERS = {
+    "block": ("bench_block.py",
+              ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao float8 tensorwise",
+               "torchao float8 rowwise"),
+              ("bf16", "te Float8CurrentScaling", "torchao float8 tensorwise"), ()),
+    "moe": ("bench_moe.py",
+            ("bf16", "te Float8CurrentScaling", "te Float8CurrentScaling E4M3", "torchao MoE float8 rowwise"),
+            ("bf16", "te Float8CurrentScaling E4M3", "torchao MoE float8 rowwise"), ()),
+    "attention": ("bench_attention.py", ("bf16 sdpa", "te fp8 attention hp-bwd", "te fp8 attention fp8-bwd"),
+                  ("bf16 sdpa", "te fp8 attention fp8-bwd"), ()),
+    # the quantize and norm kernels: one process, its cases are small
+    "kernels": ("bench_quantize.py", (), (), ()),
+}
+# the MoE shapes per provider process, in value order
+MOE_SHAPES = {"gpu": ("mixtral", "small experts"), "dry": ("mixtral",)}
+
+# Llama 3 8B's linears at 8192 tokens (bench_step.py's model): name, in_features, out_features
+STEP_LINEARS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate", 4096, 14336), ("down", 14336, 4096),
+                ("lm_head", 4096, 128256))
+STEP_TOKENS = 8192
+# MoE layers (bench_moe.py's CUDA shapes): name, experts, top-k, hidden, ffn, tokens
+MOE_GEMMS = (("mixtral", 8, 2, 4096, 14336, 16384), ("small-experts", 64, 8, 2048, 1408, 16384))
+DRY_DIVISOR = 64                     # --dry divides every GEMM dim by this (8192 -> 128)
+
+NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchStats", "WarpStateStats")
+# the per-reason stall counters behind WarpStateStats' chart (not printed by --page details otherwise)
+NCU_STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
+NCU_KERNELS = 6                      # te's slowest Triton kernels profiled
+# Triton kernels: inductor's (triton_poi_fused_add_0) and te's own (_norm_quantize_kernel)
+_TRITON_NAME = re.compile(r"^(triton_\w+|_\w+_kernel\w*)$")
+
+
+def _restore_sigint() -> None:
+    """Make SIGINT raise KeyboardInterrupt even when the shell that started us ignored it (a
+    background job of a non-interactive shell): timeout -s INT must stop a part cleanly."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _paths(work: str) -> dict:
+    paths = {"results": os.path.join(work, "results.jsonl"), "kernels": os.path.join(work, "kernels.csv"),
+             "timings": os.path.join(work, "timings.tsv"), "traces": os.path.join(work, "traces"),
+             "code": os.path.join(work, "code"), "ncu": os.path.join(work, "ncu"), "logs": os.path.join(work, "logs")}
+    for key in ("traces", "code", "ncu", "logs"):
+        os.makedirs(paths[key], exist_ok=True)
+    return paths
+
+
+# ---- setup ------------------------------------------------------------------------------------------------
+
+_SMI_FIELDS = {   # env.json key -> the nvidia-smi -q line it is read from (first match)
+    "driver": "Driver Version", "cuda_driver": "CUDA Version", "product": "Product Name",
+    "power_draw_w": "Power Draw", "power_limit_w": "Current Power Limit", "temperature_c": "GPU Current Temp",
+    "clock_sm_mhz": "SM", "clock_mem_mhz": "Memory", "pstate": "Performance State",
+}
+
+
+def _nvidia_smi(logs: str) -> dict:
+    """A few fields of ``nvidia-smi -q`` (the whole text goes to logs/nvidia-smi.txt)."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return {"nvidia_smi": "not found"}
+    try:
+        text = subprocess.run([smi, "-q"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        return {"nvidia_smi": f"failed: {e}"}
+    with open(os.path.join(logs, "nvidia-smi.txt"), "w") as f:
+        f.write(text)
+    out = {}
+    for key, label in _SMI_FIELDS.items():
+        m = re.search(rf"^\s*{re.escape(label)}\s*:\s*(.+)$", text, re.MULTILINE)
+        if m:
+            out[key] = m.group(1).strip()
+    return out
+
+
+def part_setup(args, paths) -> int:
+    import torch
+
+    import _record
+
+    info = dict(_record.device_info())
+    info.update(python=sys.version.split()[0], run=os.environ.get("LEASE_RUN", ""), dry=bool(args.dry))
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        info.update(sms=props.multi_processor_count, memory_gib=round(props.total_memory / 2**30, 1),
+                    l2_mib=round(getattr(props, "L2_cache_size", 0) / 2**20, 1))
+    info.update(_nvidia_smi(paths["logs"]))
+    for name in ("torchao", "transformers", "te_compile"):
+        try:
+            module = __import__(name)
+            info[f"{name}_version"] = getattr(module, "__version__", "?")
+        except ImportError as e:
+            info[f"{name}_version"] = f"missing: {e}"
+    info["ncu"] = _find_ncu() or "not found"
+    with open(os.path.join(paths["logs"], "env.json"), "w") as f:
+        json.dump(info, f, indent=1)
+    print(json.dumps(info, indent=1))
+    return 0
+
+
+# ---- ceilings ---------------------------------------------------------------------------------------------
+
+def _scaled(dim: int, div: int) -> int:
+    """``dim`` divided for --dry, kept a multiple of 16 (the FP8 and grouped GEMMs' alignment)."""
+    return dim if div == 1 else max(16, dim // div // 16 * 16)
+
+
+def _gemm_cases(dry: bool):
+    """(name, M, K, N) of the step's GEMMs: each linear's fprop [T, in] x [in, out], dgrad [T, out] x
+    [out, in] and wgrad [out, T] x [T, in]; --dry divides every dim."""
+    div = DRY_DIVISOR if dry else 1
+    t = _scaled(STEP_TOKENS, div)
+    for name, k, n in STEP_LINEARS:
+        k, n = _scaled(k, div), _scaled(n, div)
+        yield f"{name} fprop", t, k, n
+        yield f"{name} dgrad", t, n, k
+        yield f"{name} wgrad", n, t, k
+
+
+def _ceiling(args, paths, provider: str, shape: str, fn: Callable, *, flops: float = 0.0, moved: int = 0,
+             graph: bool = False) -> None:
+    """Time one ceiling case and write its rows; a failure writes a row that says why."""
+    import _record
+
+    try:
+        fn()
+        timing = _record.bench_kernel(fn, graph=graph)
+    except Exception as e:   # an op missing on this torch or device must not stop the others
+        msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+        _record.write_row(paths["results"], part="ceiling", provider=provider, shape=shape, metric="ms",
+                          median=None, note=f"failed: {type(e).__name__}: {msg}")
+        print(f"ceiling {provider} {shape}: failed: {type(e).__name__}: {msg}", flush=True)
+        return
+    ms = timing["median_ms"]
+    timer = ("do_bench_cudagraph" if graph else "do_bench") if _cuda(args) else "perf_counter"
+    _record.write_row(paths["results"], part="ceiling", provider=provider, shape=shape, metric="ms", median=ms,
+                      spread=timing["p90_ms"] - timing["p10_ms"], timer=timer)
+    if flops:
+        _record.write_row(paths["results"], part="ceiling", provider=provider, shape=shape, metric="TFLOP/s",
+                          median=flops / ms / 1e9, timer=timer)
+    if moved:
+        _record.write_row(paths["results"], part="ceiling", provider=provider, shape=shape, metric="GB/s",
+                          median=moved / ms / 1e6, bytes=moved, timer=timer)
+    rate = f"{flops / ms / 1e9:.1f} TFLOP/s" if flops else f"{moved / ms / 1e6:.1f} GB/s"
+    print(f"ceiling {provider:<34} {shape:<40} {ms:9.4f} ms  {rate}", flush=True)
+
+
+def _cuda(args) -> bool:
+    import torch
+
+    return torch.cuda.is_available() and not args.dry
+
+
+def part_ceilings(args, paths) -> int:
+    import torch
+
+    cuda = _cuda(args)
+    device = "cuda" if cuda else "cpu"
+    hp = torch.bfloat16 if cuda else torch.float32
+    e4m3 = torch.float8_e4m3fn
+    gen = torch.Generator(device=device).manual_seed(0)
+
+    # copy: 256 MiB read + 256 MiB written, far past the 50-60 MB L2 (--dry: 1 MiB)
+    n = (2**27) if cuda else (2**18)
+    x = torch.empty(n, device=device, dtype=hp).normal_(generator=gen)
+    y = torch.empty_like(x)
+    moved = 2 * x.numel() * x.element_size()
+    _ceiling(args, paths, "bf16 copy", f"{moved // 2**21}MiB copy", lambda: y.copy_(x), moved=moved)
+    if cuda:
+        _ceiling(args, paths, "bf16 copy", f"{moved // 2**21}MiB copy cudagraph", lambda: y.copy_(x), moved=moved,
+                 graph=True)
+    del x, y
+
+    one = torch.ones((), device=device, dtype=torch.float32)
+    square = 8192 if cuda else 8192 // DRY_DIVISOR
+    cases = [(f"square {square}^3", square, square, square)] + list(_gemm_cases(not cuda))
+    for name, m, k, n in cases:
+        a = torch.randn(m, k, device=device, dtype=hp, generator=gen)
+        b = torch.randn(n, k, device=device, dtype=hp, generator=gen).t()     # [K, N], column-major
+        a8, b8 = a.to(e4m3), b.to(e4m3)
+        shape = f"{m}x{k}x{n} {name if name.startswith('square') else 'llama3-8b ' + name}"
+        flops = 2.0 * m * k * n
+        _ceiling(args, paths, "bf16 torch.mm", shape, lambda: torch.mm(a, b), flops=flops)
+        for fast in (False, True):
+            _ceiling(args, paths, "te torch._scaled_mm" + (" fast_accum" if fast else ""), shape,
+                     lambda fast=fast: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
+                                                        use_fast_accum=fast), flops=flops)
+        del a, b, a8, b8
+
+    div = 1 if cuda else DRY_DIVISOR
+    for name, experts, top_k, hidden, ffn, tokens in MOE_GEMMS:
+        rows_per = _scaled(tokens * top_k // experts, div)
+        rows, hidden, ffn = rows_per * experts, _scaled(hidden, div), _scaled(ffn, div)
+        offs = torch.arange(1, experts + 1, device=device, dtype=torch.int32) * rows_per
+        for gemm, k, n in (("w1 fprop", hidden, ffn), ("w2 fprop", ffn, hidden)):
+            a = torch.randn(rows, k, device=device, dtype=hp, generator=gen)
+            # [E, K, N], each expert column-major, as te hands the grouped GEMMs their weights
+            b = torch.randn(experts, n, k, device=device, dtype=hp, generator=gen).transpose(-2, -1)
+            a8, b8 = a.to(e4m3), b.to(e4m3)
+            a16, b16 = a.to(torch.bfloat16), b.to(torch.bfloat16)
+            scale_a = torch.ones(rows, device=device, dtype=torch.float32)
+            scale_b = torch.ones(experts, n, device=device, dtype=torch.float32)
+            shape = f"{rows}x{k}x{n} E{experts} {name} {gemm}"
+            flops = 2.0 * rows * k * n
+            _ceiling(args, paths, "bf16 torch._grouped_mm", shape,
+                     lambda: torch._grouped_mm(a16, b16, offs=offs), flops=flops)
+            for fast in (False, True):
+                _ceiling(args, paths, "te torch._scaled_grouped_mm" + (" fast_accum" if fast else ""), shape,
+                         lambda fast=fast: torch._scaled_grouped_mm(a8, b8, scale_a, scale_b, offs=offs,
+                                                                    out_dtype=torch.bfloat16, use_fast_accum=fast),
+                         flops=flops)
+            del a, b, a8, b8, a16, b16
+    return 0
+
+
+# ---- bench parts: one process per provider ------------------------------------------------------------
+
+def part_bench(args, paths) -> int:
+    if args.name not in PART_PROVIDERS:
+        raise SystemExit(f"bench: part must be one of {tuple(PART_PROVIDERS)}, got {args.name!r}")
+    script, gpu_providers, dry_providers, extra = PART_PROVIDERS[args.name]
+    common = [sys.executable, os.path.join(HERE, script), "--jsonl", paths["results"],
+              "--kernels-csv", paths["kernels"], "--trace-dir", paths["traces"], "--code-dir", paths["code"],
+              *extra]
+    if args.name == "moe":
+        common += ["--shapes", *MOE_SHAPES["dry" if args.dry else "gpu"]]
+    if args.dry:
+        common.append("--dry")
+        groups = [list(dry_providers)] if dry_providers else [[]]
+    else:
+        groups = [[p] for p in gpu_providers] or [[]]
+    deadline = time.monotonic() + args.budget
+    worst = 0
+    for i, providers in enumerate(groups):
+        # a fair share of what is left, so one provider that hangs cannot starve the ones after it
+        share = (deadline - time.monotonic()) / (len(groups) - i)
+        if share < 10:
+            print(f"bench {args.name}: no time left for {providers}", flush=True)
+            worst = worst or 124
+            continue
+        cmd = common + (["--providers", *providers] if providers else [])
+        print(f"bench {args.name}: {' '.join(repr(c) if ' ' in c else c for c in cmd[1:])} "
+              f"(at most {share:.0f} s)", flush=True)
+        rc = _run(cmd, share)
+        worst = worst or rc
+    return worst
+
+
+def _run(cmd: list[str], limit: float) -> int:
+    """Run ``cmd`` (output inherited: the part's log), SIGINT at ``limit`` seconds, SIGKILL 15 s later."""
+    proc = subprocess.Popen(cmd, cwd=ROOT)
+    try:
+        return proc.wait(timeout=limit)
+    except subprocess.TimeoutExpired:
+        print(f"lease_parts: {limit:.0f} s passed, interrupting {os.path.basename(cmd[1])}", flush=True)
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return 124
+    except KeyboardInterrupt:   # the part's own timeout: the child got SIGINT too (same process group)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        raise
+
+
+# ---- smoke: a Hugging Face Llama trains under te ----------------------------------------------------------
+
+def part_smoke(args, paths) -> int:
+    """A small Llama (transformers' LlamaForCausalLM, GQA, SwiGLU, RMSNorm, RoPE) trains from one
+    initialization on the same batches under bf16 inductor and te Float8CurrentScaling; the final
+    losses (mean of the last 5 steps) must agree within 1%. On a GPU: fp32 weights under bf16 autocast,
+    fused AdamW, 50 steps; --dry: fp32, aot_eager, 6 steps."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import _record
+    import te_compile
+
+    cuda = _cuda(args)
+    device = "cuda" if cuda else "cpu"
+    if cuda:
+        cfg = dict(hidden_size=512, intermediate_size=1408, num_hidden_layers=4, num_attention_heads=8,
+                   num_key_value_heads=4, vocab_size=8192, max_position_embeddings=512)
+        batch, seq, steps = 8, 256, 50
+    else:
+        cfg = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=256, max_position_embeddings=64)
+        batch, seq, steps = 2, 32, 6
+    config = LlamaConfig(**cfg, attn_implementation="sdpa")
+    gen = torch.Generator().manual_seed(0)
+    # a few sequences repeated: the loss falls, so the two runs are compared while learning
+    data = torch.randint(0, cfg["vocab_size"], (4, batch, seq + 1), generator=gen)
+    compiler = "aot_eager" if args.dry else "inductor"
+    shape = (f"{batch}x{seq} llama h{cfg['hidden_size']} L{cfg['num_hidden_layers']} "
+             f"v{cfg['vocab_size']} {steps}steps fwd+bwd")
+    finals = {}
+    for provider in ("bf16", "te Float8CurrentScaling"):
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(config).to(device)
+        backend = compiler if provider == "bf16" else te_compile.backend(recipe="Float8CurrentScaling",
+                                                                          compiler=compiler)
+        compiled = torch.compile(model, backend=backend)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, **({"fused": True} if cuda else {}))
+        losses, t0 = [], time.perf_counter()
+        try:
+            for i in range(steps):
+                idx = data[i % len(data)].to(device)
+                with torch.autocast(device, dtype=torch.bfloat16, enabled=cuda):
+                    loss = compiled(input_ids=idx[:, :-1], labels=idx[:, 1:]).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                losses.append(loss.detach())
+            losses = [float(v) for v in losses]
+        except Exception as e:   # the row says how te failed; bf16's row still stands
+            msg = str(e).strip().splitlines()[0][:300] if str(e).strip() else ""
+            _record.write_row(paths["results"], part="smoke", provider=provider, shape=shape, metric="final_loss",
+                              median=None, note=f"failed: {type(e).__name__}: {msg}")
+            print(f"smoke {provider}: failed: {type(e).__name__}: {msg}", flush=True)
+            continue
+        finals[provider] = sum(losses[-5:]) / len(losses[-5:])
+        _record.write_row(paths["results"], part="smoke", provider=provider, shape=shape, metric="final_loss",
+                          median=finals[provider], first_loss=losses[0], losses=[round(v, 5) for v in losses],
+                          seconds=round(time.perf_counter() - t0, 1))
+        print(f"smoke {provider}: loss {losses[0]:.4f} -> {finals[provider]:.4f} (mean of the last 5)", flush=True)
+    if len(finals) == 2:
+        gap = 100.0 * (finals["te Float8CurrentScaling"] - finals["bf16"]) / finals["bf16"]
+        ok = abs(gap) <= 1.0
+        _record.write_row(paths["results"], part="smoke", provider="te Float8CurrentScaling", shape=shape,
+                          metric="loss_gap_pct", median=gap, passed=ok, goal="|gap| <= 1%")
+        print(f"smoke: te's final loss is {gap:+.2f}% from bf16's ({'within' if ok else 'OUTSIDE'} 1%)", flush=True)
+        return 0 if ok else 1
+    return 1
+
+
+# ---- ncu ----------------------------------------------------------------------------------------------
+
+def _find_ncu() -> Optional[str]:
+    found = shutil.which("ncu")
+    if found:
+        return found
+    for pattern in ("/usr/local/cuda/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu", "/usr/local/cuda-*/bin/ncu"):
+        hits = sorted(glob.glob(pattern))
+        if hits:
+            return hits[-1]
+    return None
+
+
+def slowest_te_kernels(kernels_csv: str, count: int = NCU_KERNELS) -> tuple[str, list[str]]:
+    """(part, names) of te Float8CurrentScaling's slowest Triton kernels per step in the block part's
+    profile, which ncu's target (bench_block.py) launches again: Triton kernels are named as
+    identifiers, which ncu's -k matches as profiled; cuBLAS's templated names are left to the profile."""
+    if not os.path.exists(kernels_csv):
+        return "block", []
+    with open(kernels_csv, newline="") as f:
+        rows = list(csv.DictReader(f))
+    for part in ("block",):
+        picked = [r for r in rows if r["part"] == part and r["provider"] == "te Float8CurrentScaling"
+                  and _TRITON_NAME.match(r["kernel"])]
+        if picked:
+            latest = max(r.get("run", "") for r in picked)
+            picked = [r for r in picked if r.get("run", "") == latest]
+            picked.sort(key=lambda r: -float(r["per_step_us"]))
+            names = []
+            for r in picked:
+                if r["kernel"] not in names:
+                    names.append(r["kernel"])
+            return part, names[:count]
+    return "block", []
+
+
+def ncu_command(ncu: str, names: list[str], target: list[str], stall_metrics: bool = True) -> list[str]:
+    """ncu over the kernels launched inside the target's NVTX range 'lease_ncu' (one step after
+    warm-up: the compile's autotuning launches share the kernels' names), at the card's own clocks."""
+    cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "--nvtx", "--nvtx-include", "lease_ncu/"]
+    for section in NCU_SECTIONS:
+        cmd += ["--section", section]
+    if stall_metrics:
+        cmd += ["--metrics", NCU_STALL_METRICS]
+    if names:
+        cmd += ["-k", "regex:^(" + "|".join(re.escape(n) for n in names) + ")$", "-c", str(2 * len(names))]
+    else:
+        cmd += ["-c", str(2 * NCU_KERNELS)]
+    return cmd + ["--csv", "--page", "details"] + target
+
+
+def part_ncu(args, paths) -> int:
+    part, names = slowest_te_kernels(paths["kernels"])
+    target = [sys.executable, os.path.join(HERE, "bench_block.py"), "--providers", "te Float8CurrentScaling",
+              "--ncu-target", "--code-dir", paths["code"], "--jsonl", os.path.join(paths["ncu"], "target_rows.jsonl")]
+    ncu = _find_ncu()
+    out_csv = os.path.join(paths["ncu"], f"ncu_{part}_te_Float8CurrentScaling.csv")
+    commands = os.path.join(paths["ncu"], "commands.txt")
+    cmd = ncu_command(ncu or "ncu", names, target)
+    with open(commands, "a") as f:
+        f.write(" ".join(repr(c) if (" " in c or "|" in c) else c for c in cmd) + f" > {out_csv}\n")
+    print(f"ncu: {part} part, te Float8CurrentScaling, kernels: {names or 'the first of the step'}", flush=True)
+    if args.dry or ncu is None:
+        reason = "dry run" if args.dry else "ncu not found on this machine"
+        with open(commands, "a") as f:
+            f.write(f"# not run: {reason}\n")
+        print(f"ncu: not run ({reason}); the command is in ncu/commands.txt", flush=True)
+        return 0
+    rc = 1
+    for stall in (True, False):   # an ncu that refuses the stall metrics still gives the sections
+        cmd = ncu_command(ncu, names, target, stall_metrics=stall)
+        with open(out_csv, "w") as out, open(os.path.join(paths["ncu"], "ncu_stderr.log"), "a") as err:
+            proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err)
+            try:
+                rc = proc.wait(timeout=max(10.0, args.budget - 5))
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                rc = 124
+                break
+        with open(out_csv) as f:
+            got = '"Kernel Name"' in f.read(1 << 16)
+        print(f"ncu: rc {rc}, stall metrics {'on' if stall else 'off'}, CSV rows {'found' if got else 'missing'}",
+              flush=True)
+        if got:
+            return 0
+    return rc or 1
+
+
+# ---- tests ----------------------------------------------------------------------------------------------
+
+def part_tests(args, paths) -> int:
+    """pytest in this process, so SIGINT (timeout -s INT) ends in pytest's summary and junit XML."""
+    import pytest
+
+    junit = os.path.join(paths["logs"], "tests.xml")
+    return int(pytest.main(["-p", "no:cacheprovider", f"--junitxml={junit}", "-o", "junit_family=xunit1",
+                            *args.pytest_args]))
+
+
+# ---- package ------------------------------------------------------------------------------------------
+
+def _tar(path: str, members: list[tuple[str, str]], limit: int = MAX_FILE_BYTES) -> list[str]:
+    """Write a gzipped tar of (file, name in archive) under ``limit`` bytes, leaving out the largest
+    members until it fits; returns the names left out."""
+    members = sorted(members, key=lambda m: os.path.getsize(m[0]))
+    dropped: list[str] = []
+    while True:
+        with tarfile.open(path, "w:gz") as tar:
+            for src, name in members:
+                tar.add(src, arcname=name)
+        if os.path.getsize(path) <= limit or not members:
+            return dropped
+        dropped.append(members.pop()[1])
+
+
+def _files(root: str, suffixes: Optional[tuple[str, ...]] = None) -> list[tuple[str, str]]:
+    out = []
+    for folder, _, names in os.walk(root):
+        for name in names:
+            if suffixes is None or name.endswith(suffixes):
+                src = os.path.join(folder, name)
+                out.append((src, os.path.relpath(src, root)))
+    return out
+
+
+def part_package(args, paths) -> int:
+    """The 8 files of OUT_FILES from the work folder; summary.txt printed last."""
+    out = args.out
+    os.makedirs(out, exist_ok=True)
+    for name in ("results.jsonl", "kernels.csv", "timings.tsv"):
+        src = os.path.join(args.work, name)
+        if os.path.exists(src):
+            shutil.copyfile(src, os.path.join(out, name))
+        else:
+            open(os.path.join(out, name), "w").close()
+    notes = []
+    # inductor's and te's generated Python (output code, every kernel's source) and Triton's metadata;
+    # the compiled binaries stay behind
+    dropped = _tar(os.path.join(out, "inductor_code.tar.gz"), _files(paths["code"], (".py", ".json")))
+    dropped += _tar(os.path.join(out, "traces.tar.gz"), _files(paths["traces"], (".json",)))
+    dropped += _tar(os.path.join(out, "ncu.tar.gz"), _files(paths["ncu"]))
+    dropped += _tar(os.path.join(out, "logs.tar.gz"), _files(paths["logs"]))
+    if dropped:
+        notes.append(f"left out to stay under {MAX_FILE_BYTES // 2**20} MiB a file: {', '.join(dropped)}")
+    for name in ("results.jsonl", "kernels.csv"):   # text files larger than the limit keep their head
+        path = os.path.join(out, name)
+        if os.path.getsize(path) > MAX_FILE_BYTES:
+            with open(path, "rb+") as f:
+                f.truncate(MAX_FILE_BYTES)
+            notes.append(f"{name} cut at {MAX_FILE_BYTES} bytes")
+    import lease_report
+
+    summary = lease_report.summary(out, notes)
+    with open(os.path.join(out, "summary.txt"), "w") as f:
+        f.write(summary)
+    extra = sorted(set(os.listdir(out)) - set(OUT_FILES))
+    if extra:
+        print(f"lease_parts: unexpected files in {out}: {extra}", flush=True)
+    print(summary)
+    return 0
+
+
+# ---- main ---------------------------------------------------------------------------------------------
+
+PARTS = {"setup": part_setup, "ceilings": part_ceilings, "bench": part_bench, "smoke": part_smoke,
+         "ncu": part_ncu, "tests": part_tests, "package": part_package}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    _restore_sigint()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=tuple(PARTS))
+    parser.add_argument("name", nargs="?", help="bench: the part (block, moe, attention, kernels)")
+    parser.add_argument("--work", default=os.environ.get("LEASE_WORK", "/tmp/te_lease"), help="the work folder")
+    parser.add_argument("--out", help="package: where the 8 files go")
+    parser.add_argument("--budget", type=float, default=float(os.environ.get("LEASE_PART_SECONDS", 600)),
+                        help="seconds this part may take (the shell's timeout is the hard stop)")
+    parser.add_argument("--dry", action="store_true", default=os.environ.get("LEASE_DRY") == "1")
+    parser.add_argument("pytest_args", nargs="*", help="tests: arguments after --")
+    args = parser.parse_args(argv)
+    if args.part == "package" and not args.out:
+        parser.error("package needs --out")
+    if args.name and args.part != "bench":
+        args.pytest_args.insert(0, args.name)
+    paths = _paths(args.work)
+    try:
+        return PARTS[args.part](args, paths)
+    except KeyboardInterrupt:
+        print(f"lease_parts {args.part}: interrupted (its time ran out); the rows written so far stay", flush=True)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
