@@ -231,6 +231,8 @@ def _fake_outputs(gm: fx.GraphModule, fallback_mode: FakeTensorMode) -> Callable
 # ---- reading the scheduler --------------------------------------------------------------------------
 
 _GEMM_OPS = ("mm", "addmm", "bmm", "_scaled_mm")
+# GEMMs too, but not priced (their FLOPs depend on the groups' sizes): neither memory-bound nor opaque
+_GROUPED_GEMM_OPS = ("_grouped_mm", "_scaled_grouped_mm")
 
 
 def _op_name(node) -> str:
@@ -442,7 +444,8 @@ def _kernels(scheduler, graph: str) -> list[Kernel]:
             elif isinstance(node, ir.UserDefinedTritonKernel):
                 kernel.name = _user_kernel_name(node)
             else:
-                kernel.name, kernel.opaque = name, True
+                kernel.name = name
+                kernel.opaque = not any(op in name.split(".") for op in _GROUPED_GEMM_OPS)
         else:
             kernel.name = _fused_name(snode)
         out.append(kernel)
@@ -566,7 +569,8 @@ class CodeCapture:
                 except Exception:
                     if not out.code:   # failed before the code was written: a real error
                         raise
-            self.graphs.append(out)
+            if out.code:   # inductor writes no module for a graph that computes nothing (only views)
+                self.graphs.append(out)
             return _fake_outputs(gm, detect_fake_mode(example_inputs))
 
         return generate
