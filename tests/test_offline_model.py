@@ -1,0 +1,86 @@
+"""benchmarks/offline.py, the offline model of the H100 step: without a GPU, inductor writes its whole
+CUDA output code for te's GPT block, every Triton kernel in it (inductor's and te's own, through
+``torch.library.triton_op``) builds for sm90 with the ptxas Triton ships, and the counts table has its
+structure. A kernel that the GPU compiler rejects (as te's norm kernels were, inside inductor, on the
+first lease) fails here.
+
+The script runs in a subprocess: tests/conftest.py sets TRITON_INTERPRET on a machine without CUDA,
+under which ``@triton.jit`` gives interpreter functions that cannot be built for a GPU. The block is
+small (2 x 64 tokens, width 256, 4 heads) but takes te's GPU paths: FP8 GEMMs through
+``torch._scaled_mm``, its fused LayerNorm + quantize Triton kernels.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCHMARKS = os.path.join(ROOT, "benchmarks")
+PROVIDER = "te Float8CurrentScaling"
+
+
+def _ptxas() -> tuple[bool, str]:
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from _output_code import ptxas_available
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return ptxas_available()
+
+
+_OK, _WHY = _ptxas()
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory) -> dict:
+    """summary.json of one offline.py run over te's GPT block, every kernel built for sm90."""
+    out = tmp_path_factory.mktemp("offline")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
+    cmd = [sys.executable, os.path.join(BENCHMARKS, "offline.py"), "--cases", "block", "--block-size", "2x64x256",
+           "--heads", "4", "--providers", PROVIDER, "--compile-sm90", "--sm90-configs", "first", "--out", str(out)]
+    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    summary = out / "summary.json"
+    assert summary.exists(), f"offline.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    data = json.loads(summary.read_text())
+    data["returncode"], data["stdout"], data["out"] = run.returncode, run.stdout, out
+    return data
+
+
+@pytest.mark.skipif(not _OK, reason=f"cannot build for sm90 here: {_WHY}")
+def test_every_kernel_builds_for_sm90(offline):
+    builds = offline["sm90"]
+    failed = [f"{b['graph']}: {b['kernel']} [{b['config']}]: {b['error']}" for b in builds if b["error"]]
+    assert not failed, "kernels the GPU compiler rejects:\n" + "\n".join(failed)
+    assert offline["returncode"] == 0, offline["stdout"][-3000:]
+    graphs = {b["graph"] for b in builds}
+    assert graphs == {"block fwd", "block bwd"}, f"built kernels of {sorted(graphs)}, expected both graphs"
+    # te's own kernels are among them: the fused LayerNorm + quantize pair of each of the two norms
+    te_kernels = {b["kernel"].rsplit("_", 1)[0] for b in builds if not b["kernel"].startswith("triton_")}
+    assert {"_norm_stats_kernel", "_norm_quantize_kernel"} <= te_kernels, sorted(te_kernels)
+    assert all(b["registers"] and b["registers"] > 0 for b in builds), "a build without a register count"
+
+
+@pytest.mark.skipif(not _OK, reason=f"cannot build for sm90 here: {_WHY}")
+def test_counts_table_structure(offline):
+    rows = {r["graph"]: r for r in offline["rows"]}
+    assert set(rows) == {"block fwd", "block bwd"}, sorted(rows)
+    fwd, bwd = rows["block fwd"], rows["block bwd"]
+    for row in (fwd, bwd):
+        assert row["provider"] == PROVIDER and row["launches"] > 0 and row["memory_bytes"] > 0, row
+        assert 0 < row["tiny"] < row["launches"], row
+        assert row["unknown_bytes"] == 0, f"launches without bytes: {row}"
+        assert row["attention"] == 1, row
+    # four linears (qkv, proj, fc, proj2): one FP8 GEMM each forward, dgrad and wgrad backward
+    assert (fwd["gemms"], bwd["gemms"]) == (4, 8), (fwd["gemms"], bwd["gemms"])
+    # the two LayerNorm + quantize sites: norm_stats then norm_quantize each, with bytes of their own
+    assert fwd["te_kernels"] == 4 and fwd["te_bytes"] > 0, fwd
+    # the generated code is kept, with the launches it lists
+    code = offline["out"] / "block" / "te_Float8CurrentScaling" / "block_fwd.py"
+    assert "_norm_quantize_kernel" in code.read_text()
+    assert "roofline" in offline["stdout"] and "projection, not a measurement" in offline["stdout"]
