@@ -161,8 +161,8 @@ def precision_note(device: torch.device) -> str:
 
 
 def providers(device: torch.device, rowwise: bool = False) -> list[Provider]:
-    """inductor, te with each recipe, torchao tensorwise ("torchao float8", the name gpu_suite.py's
-    goals look up) and, with ``rowwise``, torchao rowwise."""
+    """inductor, te with each recipe, torchao tensorwise ("torchao float8") and, with ``rowwise``,
+    torchao rowwise."""
     out = [Provider("inductor", False, lambda m: torch.compile(m, dynamic=False),
                     note=f"torch.compile, {str(baseline_dtype(device)).replace('torch.', '')}")]
     for recipe, options in TE_RECIPES.items():

@@ -206,11 +206,11 @@ def _is_device_event(evt) -> bool:
     return device_type is not None and device_type.name in ("CUDA", "PrivateUse1", "XPU", "MTIA")
 
 
-def _cpu_leaf_events(events) -> list:
-    """On a CPU there are no device kernels: inductor's C++ kernels (recorded by name when
-    ``cpp.enable_kernel_profile`` is on) and the aten ops with no child op are the innermost work,
-    and their self times do not overlap."""
-    return [e for e in events if not e.cpu_children and e.name != "ProfilerStep*"]
+def _cpu_self_events(events) -> list:
+    """On a CPU there are no device kernels: every op's self time (its time less its children's), which
+    do not overlap and sum to the profiled time; inductor's C++ kernels appear by name when
+    ``cpp.enable_kernel_profile`` is on (lease.sh --dry sets it)."""
+    return [e for e in events if e.self_cpu_time_total > 0 and e.name != "ProfilerStep*"]
 
 
 def profile_steps(step_fn: Callable[[], object], *, steps: int, trace_path: str, csv_path: str,
@@ -241,12 +241,12 @@ def profile_steps(step_fn: Callable[[], object], *, steps: int, trace_path: str,
     prof.export_chrome_trace(trace_path)
 
     events = prof.events()
-    picked = [e for e in events if _is_device_event(e)] if cuda else _cpu_leaf_events(events)
+    picked = [e for e in events if _is_device_event(e)] if cuda else _cpu_self_events(events)
     calls: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
     for evt in picked:
         calls[evt.name] += 1
-        # a device event's own interval; a CPU leaf's self time
+        # a device event's own interval; a CPU op's self time
         total[evt.name] += evt.time_range.elapsed_us() if cuda else evt.self_cpu_time_total
     step_sum_us = sum(total.values()) / steps
     device = device_info()["device"]

@@ -244,7 +244,8 @@ def lease_main(args) -> None:
                for _ in range(3))
     do = torch.randn(b, h, t, d, generator=gen, device=device, dtype=dtype)
     flags = {name: getattr(torch.backends.cuda, f"{name}_sdp_enabled")()
-             for name in ("flash", "mem_efficient", "math", "cudnn") if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
+             for name in ("flash", "mem_efficient", "math", "cudnn")
+             if hasattr(torch.backends.cuda, f"{name}_sdp_enabled")}
     print(f"attention {b}x{h}x{t}x{d}: SDPA backends enabled {flags}", flush=True)
     iters = args.iters or (20 if cuda else 3)
     for provider in args.providers or LEASE_PROVIDERS:

@@ -12,7 +12,9 @@ As a lease part (``--jsonl``) it writes rows for part ``quantize`` (te's Triton 
 per-tensor quantization inductor generates for te's linears, in GB/s against a copy measured in the
 same process) and part ``norm``: RMSNorm fused with per-tensor FP8 quantization at 4096 x 16384 bf16,
 te's two Triton kernels (stats, then both FP8 layouts) under current and delayed scaling against
-inductor's RMSNorm alone and inductor's RMSNorm-then-quantize. Kernels are timed with
+inductor's RMSNorm alone and inductor's RMSNorm-then-quantize; on CUDA also part ``linear``: the FP8
+GEMM whose output feeds the next FP8 linear, torch._scaled_mm plus inductor's amax and cast against
+``experiments/fp8_gemm.py``'s Triton GEMM with that epilogue. Kernels are timed with
 ``triton.testing.do_bench``; the compiled and Triton cases are also profiled into --kernels-csv.
 """
 
@@ -147,6 +149,28 @@ def _lease_kernel(args, *, part: str, provider: str, shape: str, fn: Callable, m
                               provider=provider, step_ms=ms, shape=shape)
 
 
+def _epilogue_cases(s: int, device: torch.device) -> list[tuple[str, Callable]]:
+    """An FP8 GEMM [s, s] x [s, s] whose output the next FP8 linear reads: torch._scaled_mm then
+    inductor's amax and FP8 cast (what the lowerings run) against the experimental Triton GEMM that
+    writes the amax and the FP8 bytes in its epilogue, and torch._scaled_mm alone."""
+    from experiments.fp8_gemm import fp8_gemm_amax
+    from te_compile.gemm import fp8_gemm
+
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(s, s, device=device, generator=gen).to(E4M3)
+    b = torch.randn(s, s, device=device, generator=gen).to(E4M3).t()   # column-major, as the linears pass it
+    sa, sb, out_scale = (torch.ones(1, device=device) for _ in range(3))
+
+    def unfused(a, b, sa, sb, out_scale):
+        y = fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16)
+        return cast_to_fp8(y, out_scale, E4M3), tensor_amax(y)
+    compiled = torch.compile(unfused, dynamic=False)
+    return [("te torch._scaled_mm", lambda: fp8_gemm(a, b, sa, sb, out_dtype=torch.bfloat16)),
+            ("te torch._scaled_mm + inductor amax, FP8 cast", lambda: compiled(a, b, sa, sb, out_scale)),
+            ("te triton GEMM + amax, FP8 out (experiments)",
+             lambda: fp8_gemm_amax(a, b, sa, sb, torch.bfloat16, out_scale, E4M3))]
+
+
 def lease_main(args) -> None:
     """The lease parts quantize and norm, in one process: the copy first (the bandwidth the kernels are
     judged against), then each kernel."""
@@ -186,7 +210,14 @@ def lease_main(args) -> None:
              ("te triton fused", "rmsnorm+quantize delayed fwd", lambda: _fused(x, w, spec, scale))]
     for provider, what, fn in cases:
         _lease_kernel(args, part="norm", provider=provider, shape=f"{m}x{k} {what}", fn=fn, moved=None,
-                      copy_gbs=copy_gbs, profile=cuda or what == "rmsnorm+quantize current fwd" and "inductor" in provider)
+                      copy_gbs=copy_gbs,
+                      profile=cuda or (what == "rmsnorm+quantize current fwd" and "inductor" in provider))
+
+    if cuda:   # the GEMM epilogue experiment (decides whether the lowerings should call it)
+        for size in (4096, 8192):
+            for provider, fn in _epilogue_cases(size, device):
+                _lease_kernel(args, part="linear", provider=provider, shape=f"{size}^3 fp8 gemm epilogue fwd",
+                              fn=fn, moved=None, copy_gbs=copy_gbs, profile=False)
 
 
 def main() -> None:

@@ -21,7 +21,8 @@ reference agree bit for bit, NaN bytes aside (0x7F with x's sign in the kernel; 
 may differ in sign).
 
 An experiment (experiments/README.md): the linear lowerings do not call it until a GPU measurement
-(``benchmarks/gpu_suite.py``) shows it beats inductor's generated kernels.
+(the lease kit's kernels part, ``benchmarks/bench_quantize.py``) shows it beats inductor's generated
+kernels.
 """
 
 from __future__ import annotations

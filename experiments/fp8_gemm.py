@@ -21,10 +21,10 @@ reference sum the products in different orders, so they agree to fp32 rounding i
 bit where the sums are exact (tests/test_experiment_fp8_gemm.py builds such operands); the amax and
 the FP8 bytes always equal those of the kernel's own y.
 
-An experiment (experiments/README.md): the lowerings do not call it until a GPU measurement
-(``benchmarks/gpu_suite.py``) shows it beats torch._scaled_mm (cuBLASLt) plus inductor's amax and
-cast kernels. The amax partials are per tile, reduced once after the launch: no atomics, so the result does
-not depend on the order of programs.
+An experiment (experiments/README.md): the lowerings do not call it until a GPU measurement (the
+lease kit's kernels part, ``benchmarks/bench_quantize.py``) shows it beats torch._scaled_mm (cuBLASLt)
+plus inductor's amax and cast kernels. The amax partials are per tile, reduced once after the launch:
+no atomics, so the result does not depend on the order of programs.
 """
 
 from __future__ import annotations
