@@ -194,6 +194,7 @@ def results_tables(rows: list[dict], parts: Optional[tuple[str, ...]] = None, co
                 note = note[:97] + "..."
             if r.get("metric") == "loss_gap_pct":
                 note = f"{'pass' if r.get('passed') else 'FAIL'} ({r.get('goal', '')})"
+            note = note.replace("|", "/")   # a pipe would end the markdown cell
             table.append([r.get("provider"), r.get("shape"), r.get("metric"), _fmt(r.get("median")),
                           _fmt(r.get("spread")), _ratio(r, bases.get((r.get("shape"), r.get("metric")))), note])
         device = prows[0].get("device", "?")
