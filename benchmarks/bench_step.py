@@ -25,7 +25,7 @@ no median, when torchao does not import (``pip install -e '.[bench]'``).
 
 Each provider runs in its own process (a child of this script), one after the other, so compiled
 code, Dynamo's caches and the CUDA allocator start clean; ratios against bf16 are taken between the
-children of one run. A child compiles once: its first step compiles (timed as ``first_step_s``), and
+children of one run. A child compiles once: its first step compiles (timed as ``first_call_s``), and
 the same compiled code serves the timed steps, the profile and the generated code kept under
 ``--code-dir/<provider>/`` (its own inductor and Triton cache). Compilation is per block
 (``--compile block``, torchtitan's layout: each layer's ``.compile()``, the identical layers sharing
@@ -98,6 +98,7 @@ PROVIDERS = ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao fl
 _TE_OPTIONS = {"Float8CurrentScaling": {}, "DelayedScaling": {"amax_history_len": 16}}
 _TORCHAO_MISSING = "torchao not importable (pip install -e '.[bench]')"
 _PART = "step"
+_LAUNCHED = "BENCH_STEP_LAUNCHED"   # the parent's time.time() when it started a child, for the child's startup_s
 _GiB = 2.0 ** 30
 _H100_BYTES = 80e9
 
@@ -373,7 +374,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     device = torch.device("cpu" if args.dry else "cuda")
     common = {"batch": args.batch, "tokens": args.tokens, "layers": args.layers, "compile": args.compile,
               "compiler": args.compiler,
-              "precision": "bf16 autocast over fp32 weights, fused AdamW", "dry": args.dry}
+              "dtype": "bf16 autocast over fp32 weights", "optimizer": "AdamW(fused=True)", "dry": args.dry}
     if provider.startswith("torchao"):
         try:
             import torchao.float8  # noqa: F401
@@ -416,6 +417,8 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
         opt.zero_grad(set_to_none=True)   # the same gradient buffers' life as in train_step
         return loss
 
+    # from the parent's launch of this process: interpreter, imports, CUDA context, the model built
+    startup_s = time.time() - float(os.environ.get(_LAUNCHED, time.time()))
     t0 = time.perf_counter()
     loss = train_step().item()            # the one compile
     first_s = time.perf_counter() - t0
@@ -425,12 +428,17 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
           f"loss {loss:.4f}, SDPA {sdpa}", flush=True)
     if not math.isfinite(loss):
         raise RuntimeError(f"{provider}: the first step's loss is {loss}")
-    common.update(first_step_s=round(first_s, 2), graphs=unique_graphs, sdpa=sdpa, loss=round(loss, 5))
+    common.update(startup_s=round(startup_s, 2), first_call_s=round(first_s, 2), graphs=unique_graphs,
+                  attention_backend=sdpa, loss=round(loss, 5))
     if provider.startswith("te"):
         common.update(_te_report(model))
+        # lease_report.py's note column
+        common["note"] = (f"linears {common['linears_rewritten']}/{common['linears_total']} rewritten, head + loss "
+                          f"{'fused' if common['head_loss_fused'] else 'NOT fused'}; SDPA {sdpa}")
     flops = step_flops(cfg, args.layers, args.batch, args.tokens)
     n_tokens = args.batch * args.tokens
 
+    t0 = time.perf_counter()
     steps = {}
     for what, fn in (("fwd+bwd+adamw", train_step), ("fwd+bwd", fwd_bwd_step)):
         if device.type == "cuda":
@@ -452,12 +460,15 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
         print(f"bench_step: {provider}: {what}: {t['median_ms']:.2f} ms (p10 {t['p10_ms']:.2f}, p90 "
               f"{t['p90_ms']:.2f}), {tok['median']:.0f} tokens/s, peak {peak:.2f} GiB", flush=True)
 
+    timing_s, t0 = time.perf_counter() - t0, time.perf_counter()
     if args.profile_steps:
         os.makedirs(args.trace_dir, exist_ok=True)
         trace = os.path.join(args.trace_dir, f"step_{_record.provider_slug(provider)}.json")
         _record.profile_steps(train_step, steps=args.profile_steps, trace_path=trace, csv_path=args.kernels_csv,
                               part=_PART, provider=provider, step_ms=steps["fwd+bwd+adamw"]["median_ms"],
                               shape=_shape(cfg, args, "fwd+bwd+adamw"))
+    print(f"bench_step: {provider}: seconds: startup {startup_s:.1f}, first step {first_s:.1f}, timed steps "
+          f"{timing_s:.1f}, profile {time.perf_counter() - t0:.1f}", flush=True)
     recompiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - unique_graphs
     if recompiled:
         print(f"bench_step: {provider}: WARNING: {recompiled} graphs compiled after the first step",
@@ -547,7 +558,7 @@ def _run_parent(args: argparse.Namespace) -> int:
             continue
         print(f"\nbench_step: {provider}", flush=True)
         t0 = time.perf_counter()
-        child = subprocess.Popen(_child_argv(args, provider))
+        child = subprocess.Popen(_child_argv(args, provider), env={**os.environ, _LAUNCHED: repr(time.time())})
         try:
             rc = child.wait()
         except KeyboardInterrupt:   # the kit's timeout: the child keeps the rows it wrote

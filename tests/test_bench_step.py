@@ -59,7 +59,7 @@ def test_one_row_per_provider_shape_and_metric(dry_run):
         assert not missing, f"row lacks {missing}: {row}"
         assert row["part"] == "step", row
         assert row["median"] is not None and row["median"] > 0, f"median not positive: {row}"
-        assert row["precision"] == "bf16 autocast over fp32 weights, fused AdamW", row
+        assert (row["dtype"], row["optimizer"]) == ("bf16 autocast over fp32 weights", "AdamW(fused=True)"), row
         assert row["dry"] is True and row["compile"] == "block", row
     timed = [r for r in rows if r["metric"] == "ms"]
     assert all(len(r["samples"]) == r["iters"] and r["p10"] <= r["median"] <= r["p90"] for r in timed), timed
