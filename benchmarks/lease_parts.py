@@ -432,7 +432,7 @@ def ncu_command(ncu: str, names: list[str], target: list[str], stall_metrics: bo
     if stall_metrics:
         cmd += ["--metrics", NCU_STALL_METRICS]
     if names:
-        cmd += ["-k", "regex:^(" + "|".join(re.escape(n) for n in names) + ")$", "-c", str(2 * len(names))]
+        cmd += ["-k", "regex:^(" + "|".join(re.escape(n) for n in names) + ")$", "-c", str(3 * len(names))]
     else:
         cmd += ["-c", str(2 * NCU_KERNELS)]
     return cmd + ["--csv", "--page", "details"] + target
