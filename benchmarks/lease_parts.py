@@ -114,7 +114,9 @@ def _nvidia_smi(logs: str) -> dict:
         f.write(text)
     out = {}
     for key, label in _SMI_FIELDS.items():
-        m = re.search(rf"^\s*{re.escape(label)}\s*:\s*(.+)$", text, re.MULTILINE)
+        # newer drivers write "Average Power Draw" / "Instantaneous Power Draw": allow one word before
+        prefix = r"(?:\w+ )?" if label == "Power Draw" else ""
+        m = re.search(rf"^\s*{prefix}{re.escape(label)}\s*:\s*(.+)$", text, re.MULTILINE)
         if m:
             out[key] = m.group(1).strip()
     return out
