@@ -355,6 +355,8 @@ def _stored_buffers(node) -> set[str]:
 
     from torch._inductor import ir
 
+    if not hasattr(node, "kernel_stores"):
+        return set()   # torch before 2.13 keeps no store analysis: torch's list of written arguments stands
     pointers = set()
     for store in node.kernel_stores.stores:
         pointers |= {n.id for n in ast.walk(store.store_pointer_node) if isinstance(n, ast.Name)}

@@ -337,12 +337,12 @@ def _cells(row: dict) -> list:
             f"{row['roofline_ms']:.3f}", note]
 
 
-def provider_table(rows: list[dict], total_label: str) -> str:
+def provider_table(rows: list[dict], total_label: str, fmt: str = "simple") -> str:
     body = [_cells(r) for r in rows] + [_cells(_total(rows, total_label))]
-    return tabulate(body, headers=_HEADERS, disable_numparse=True)
+    return tabulate(body, headers=_HEADERS, tablefmt=fmt, disable_numparse=True)
 
 
-def case_summary(case: Case, by_provider: dict[str, list[dict]], failures: dict[str, str]) -> str:
+def case_summary(case: Case, by_provider: dict[str, list[dict]], failures: dict[str, str], fmt: str = "simple") -> str:
     """One row per provider: the step's totals side by side. More graphs than a forward and a backward
     per part are graph breaks: what runs eagerly between them is not in the counts."""
     body = []
@@ -354,7 +354,7 @@ def case_summary(case: Case, by_provider: dict[str, list[dict]], failures: dict[
                      "graph breaks: eager code between the graphs not counted" if breaks else ""])
     body += [[name, "", "", "", "", "", "", "", "", why] for name, why in failures.items()]
     return tabulate(body, headers=["provider", "graphs", "launches", "tiny", "te kernels", "GEMMs", "other extern",
-                                   "memory-bound GB", "roofline ms", "note"], disable_numparse=True)
+                                   "memory-bound GB", "roofline ms", "note"], tablefmt=fmt, disable_numparse=True)
 
 
 def _slug(text: str) -> str:
@@ -369,7 +369,7 @@ def _save_code(out_dir: str, r: GraphResult) -> str:
     return path
 
 
-def sm90_table(builds_by_graph: dict[tuple[str, str, str], list[Build]]) -> str:
+def sm90_table(builds_by_graph: dict[tuple[str, str, str], list[Build]], fmt: str = "simple") -> str:
     """Per graph: kernels and configs built, failures, the most registers, spilling kernels, the most
     shared memory."""
     body = []
@@ -379,7 +379,8 @@ def sm90_table(builds_by_graph: dict[tuple[str, str, str], list[Build]]) -> str:
                      len(builds) - len(ok), max((b.registers or 0 for b in ok), default=0),
                      len({b.kernel for b in ok if b.local_bytes}), max((b.shared_bytes or 0 for b in ok), default=0)])
     return tabulate(body, headers=["case", "provider", "graph", "kernels", "configs built", "failed",
-                                   "max registers", "kernels spilling", "max shared B"], disable_numparse=True)
+                                   "max registers", "kernels spilling", "max shared B"], tablefmt=fmt,
+                    disable_numparse=True)
 
 
 def _parse_size(text: str) -> tuple[int, int, int]:
@@ -405,6 +406,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--sm90-configs", choices=("all", "first"), default="all",
                         help="build each kernel under every launch config inductor would compile before "
                              "autotuning (all, the default) or only its first")
+    parser.add_argument("--markdown", action="store_true", help="print the tables as GitHub markdown")
     parser.add_argument("--tokens", type=int, default=8192, help="step: tokens of the one sequence (default 8192)")
     parser.add_argument("--layers", type=int, default=4, help="step: layers the step row counts (default 4)")
     parser.add_argument("--block-size", type=_parse_size, default=(2, 2048, 4096),
@@ -428,6 +430,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     import triton
 
     os.makedirs(args.out, exist_ok=True)
+    fmt = "github" if args.markdown else "simple"
     lines: list[str] = []
 
     def say(text: str = "") -> None:
@@ -458,7 +461,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows += provider_rows
             label = "step" if len(case.parts) > 1 or case.parts[0].repeats > 1 else "fwd + bwd"
             say(f"\n{name} ({time.perf_counter() - start:.0f} s to generate):")
-            say(provider_table(provider_rows, label))
+            say(provider_table(provider_rows, label, fmt))
             for r in results:
                 path = _save_code(args.out, r)
                 csv_rows += [dict(case=r.case, provider=r.provider, graph=f"{r.part} {r.graph}", index=x.index,
@@ -471,11 +474,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                                   for b in builds]
         if by_provider or failures:
             say(f"\n{case.name}, per provider ({case.shape}):")
-            say(case_summary(case, by_provider, failures))
+            say(case_summary(case, by_provider, failures, fmt))
     failed_builds = [b for b in sm90_rows if b["error"]]
     if args.compile_sm90:
         say(f"\nsm90 builds (Triton's ptxas; {args.sm90_configs} configs):")
-        say(sm90_table(builds_by_graph))
+        say(sm90_table(builds_by_graph, fmt))
         say(f"{len(sm90_rows) - len(failed_builds)} of {len(sm90_rows)} kernel configs built for sm90")
         for b in failed_builds:
             say(f"  FAILED {b['case']} / {b['provider']} / {b['graph']}: {b['kernel']} [{b['config']}]: {b['error']}")
