@@ -27,10 +27,11 @@ Cases (``--cases``):
 
 Providers: ``bf16`` (torch.compile with inductor), ``te Float8CurrentScaling``, ``te DelayedScaling``
 (amax history 16), for the MoE layer ``te Float8CurrentScaling E4M3`` (E4M3 gradients, so that the
-experts' backward GEMMs are scaled grouped GEMMs too), and, when torchao imports, ``torchao float8 tensorwise`` (dense cases:
-``convert_to_float8_training`` with its GPU GEMMs, possible because nothing runs) and ``torchao MoE
-float8 rowwise`` (the MoE case: bench_moe's ``quantize_`` of the experts); ``torchao float8 rowwise``
-on request.
+experts' backward GEMMs are scaled grouped GEMMs too), and, when torchao imports, ``torchao float8
+tensorwise`` (dense cases: ``convert_to_float8_training`` with its GPU GEMMs, possible because nothing
+runs) and ``torchao MoE float8 rowwise`` (the MoE case: bench_moe's ``quantize_`` of the experts,
+whose FP8 grouped GEMMs run eagerly between graph breaks and are not in the counts); ``torchao float8
+rowwise`` on request.
 
 Columns, per graph: launches (every Triton kernel and extern call the wrapper makes); tiny (Triton
 launches moving under 1 MB: amaxes, scales, zero fills, bound by launch latency, not bandwidth); te
@@ -88,6 +89,10 @@ DEFAULT_OUT = "/tmp/te_compile_offline"
 
 # ---- providers -------------------------------------------------------------------------------------------
 
+ALL_CASES = ("step", "block", "moe")
+_DENSE = ("step", "block")
+
+
 @dataclass(frozen=True)
 class Provider:
     """How one provider compiles a module (or one of its methods): ``convert`` first, in place (a
@@ -96,6 +101,9 @@ class Provider:
     name: str
     backend: Callable[[], object]
     convert: Optional[Callable[[nn.Module], object]] = None
+    cases: tuple[str, ...] = ALL_CASES   # the cases it applies to
+    torchao: bool = False                # needs torchao (optional: pip install -e '.[bench]')
+    default: bool = True                 # run when --providers is not given
 
     def compile(self, module: nn.Module, method: Optional[str] = None) -> Callable:
         if self.convert is not None:
@@ -127,19 +135,17 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("te Float8CurrentScaling", _te("Float8CurrentScaling")),
     Provider("te DelayedScaling", _te("DelayedScaling")),
     # E4M3 gradients: the experts' backward GEMMs in torch._scaled_grouped_mm (E4M3 only) as well
-    Provider("te Float8CurrentScaling E4M3", _te("Float8CurrentScaling", fp8_format="E4M3")),
-    Provider("torchao float8 tensorwise", lambda: "inductor", _torchao_dense("tensorwise")),
-    Provider("torchao float8 rowwise", lambda: "inductor", _torchao_dense("rowwise")),
-    Provider("torchao MoE float8 rowwise", lambda: "inductor", _torchao_moe),
+    Provider("te Float8CurrentScaling E4M3", _te("Float8CurrentScaling", fp8_format="E4M3"), cases=("moe",)),
+    Provider("torchao float8 tensorwise", lambda: "inductor", _torchao_dense("tensorwise"), _DENSE, torchao=True),
+    Provider("torchao float8 rowwise", lambda: "inductor", _torchao_dense("rowwise"), _DENSE, torchao=True,
+             default=False),
+    Provider("torchao MoE float8 rowwise", lambda: "inductor", _torchao_moe, ("moe",), torchao=True),
 )}
-_TORCHAO = {"torchao float8 tensorwise", "torchao float8 rowwise", "torchao MoE float8 rowwise"}
 
 
 def _default_providers() -> list[str]:
-    names = ["bf16", "te Float8CurrentScaling", "te DelayedScaling", "te Float8CurrentScaling E4M3"]
-    if _common.torchao_available():
-        names += ["torchao float8 tensorwise", "torchao MoE float8 rowwise"]
-    return names
+    available = _common.torchao_available()
+    return [p.name for p in PROVIDERS.values() if p.default and (available or not p.torchao)]
 
 
 # ---- cases ------------------------------------------------------------------------------------------------
@@ -159,7 +165,6 @@ class Case:
     name: str
     shape: str                   # what is compiled, in words
     parts: tuple[Part, ...]
-    providers: frozenset[str]    # which providers apply
 
 
 def _dense_parts(tokens: int, layers: int) -> tuple[Part, ...]:
@@ -207,6 +212,8 @@ def _block_part(b: int, t: int, c: int, heads: int) -> Part:
 def _moe_part(shape: str) -> Part:
     import bench_moe
 
+    if shape not in bench_moe.SHAPES["cuda"]:
+        raise ValueError(f"--moe-shape {shape!r}: expected one of {', '.join(bench_moe.SHAPES['cuda'])}")
     experts, top_k, hidden, ffn, tokens = bench_moe.SHAPES["cuda"][shape]
 
     def run(provider: Provider, mode: FakeTensorMode) -> None:
@@ -221,29 +228,25 @@ def _moe_part(shape: str) -> Part:
 
 def make_cases(names: list[str], args: argparse.Namespace) -> list[Case]:
     """The cases named, at the shapes ``args`` gives."""
-    dense = frozenset({"bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao float8 tensorwise",
-                       "torchao float8 rowwise"})
     out = []
     for name in names:
         if name == "step":
             out.append(Case("step", f"Llama 3 8B shape, 1x{args.tokens} tokens, bf16 autocast over fp32 weights; "
                                     f"{args.layers} layers (one compiled) + head and loss",
-                            _dense_parts(args.tokens, args.layers), dense))
+                            _dense_parts(args.tokens, args.layers)))
         elif name == "block":
             b, t, c = args.block_size
             out.append(Case("block", f"GPT block {b}x{t}x{c}, {args.heads} heads, bf16",
-                            (_block_part(b, t, c, args.heads),), dense))
+                            (_block_part(b, t, c, args.heads),)))
         elif name == "moe":
             import bench_moe
 
+            part = _moe_part(args.moe_shape)
             e, k, h, f, t = bench_moe.SHAPES["cuda"][args.moe_shape]
             out.append(Case("moe", f"MoE layer '{args.moe_shape}': {e} experts, top-{k}, hidden {h}, FFN {f}, "
-                                   f"{t} tokens, bf16",
-                            (_moe_part(args.moe_shape),),
-                            frozenset({"bf16", "te Float8CurrentScaling", "te DelayedScaling",
-                                       "te Float8CurrentScaling E4M3", "torchao MoE float8 rowwise"})))
+                                   f"{t} tokens, bf16", (part,)))
         else:
-            raise ValueError(f"unknown case {name!r}: expected one of step, block, moe")
+            raise ValueError(f"unknown case {name!r}: expected one of {', '.join(ALL_CASES)}")
     return out
 
 
@@ -342,7 +345,8 @@ def provider_table(rows: list[dict], total_label: str, fmt: str = "simple") -> s
     return tabulate(body, headers=_HEADERS, tablefmt=fmt, disable_numparse=True)
 
 
-def case_summary(case: Case, by_provider: dict[str, list[dict]], failures: dict[str, str], fmt: str = "simple") -> str:
+def case_summary(case: Case, by_provider: dict[str, list[dict]], failures: dict[str, str],
+                 fmt: str = "simple") -> str:
     """One row per provider: the step's totals side by side. More graphs than a forward and a backward
     per part are graph breaks: what runs eagerly between them is not in the counts."""
     body = []
@@ -390,13 +394,13 @@ def _parse_size(text: str) -> tuple[int, int, int]:
     return int(parts[0]), int(parts[1]), int(parts[2])
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--cases", nargs="+", choices=("step", "block", "moe"), default=["step", "block", "moe"])
+    parser.add_argument("--cases", nargs="+", choices=ALL_CASES, default=list(ALL_CASES))
     parser.add_argument("--providers", nargs="+", choices=tuple(PROVIDERS), metavar="NAME",
-                        help=f"of {', '.join(PROVIDERS)} (default: bf16, both te recipes, and torchao's "
-                             "tensorwise and MoE providers when torchao imports)")
+                        help=f"of {', '.join(PROVIDERS)} (default: all but torchao float8 rowwise, the torchao "
+                             "ones only when torchao imports)")
     parser.add_argument("--copy-gbps", type=float, default=DEFAULT_COPY_GBPS,
                         help=f"copy bandwidth of the roofline projection, GB/s (default {DEFAULT_COPY_GBPS:g}, "
                              "an H100 SXM)")
@@ -413,6 +417,95 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="block: BxTxC (default 2x2048x4096)")
     parser.add_argument("--heads", type=int, default=32, help="block: attention heads (default 32)")
     parser.add_argument("--moe-shape", default="mixtral", help="moe: a bench_moe.py CUDA shape (default mixtral)")
+    return parser
+
+
+class _Run:
+    """What one run prints and writes: the tables as they are printed, the rows behind them, every
+    launch and every sm90 build."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+        self.fmt = "github" if args.markdown else "simple"
+        self.lines: list[str] = []
+        self.rows: list[dict] = []
+        self.launch_rows: list[dict] = []
+        self.sm90_rows: list[dict] = []
+        self.builds: dict[tuple[str, str, str], list[Build]] = {}
+
+    def say(self, text: str = "") -> None:
+        print(text, flush=True)
+        self.lines.append(text)
+
+    def case(self, case: Case, names: list[str]) -> None:
+        self.say(f"\n== {case.name}: {case.shape}")
+        by_provider: dict[str, list[dict]] = {}
+        failures: dict[str, str] = {}
+        for name in (n for n in names if case.name in PROVIDERS[n].cases):
+            start = time.perf_counter()
+            try:
+                results = capture(case, PROVIDERS[name])
+            except Exception as e:   # one provider failing must not hide the others
+                failures[name] = _common.failure_note(e, limit=200)
+                self.say(f"\n{name}: {failures[name]} (after {time.perf_counter() - start:.0f} s)")
+                continue
+            by_provider[name] = [counts(r, self.args.copy_gbps) for r in results]
+            self.rows += by_provider[name]
+            label = "step" if len(case.parts) > 1 or case.parts[0].repeats > 1 else "fwd + bwd"
+            self.say(f"\n{name} ({time.perf_counter() - start:.0f} s to generate):")
+            self.say(provider_table(by_provider[name], label, self.fmt))
+            for r in results:
+                self.graph(r)
+        if by_provider or failures:
+            self.say(f"\n{case.name}, per provider ({case.shape}):")
+            self.say(case_summary(case, by_provider, failures, self.fmt))
+
+    def graph(self, r: GraphResult) -> None:
+        """Keep one graph's code and launches; build its kernels for sm90 when asked."""
+        path = _save_code(self.args.out, r)
+        where = dict(case=r.case, provider=r.provider, graph=f"{r.part} {r.graph}")
+        self.launch_rows += [dict(where, index=x.index, kind=x.kind, name=x.name,
+                                  bytes="" if x.bytes is None else x.bytes) for x in r.launches]
+        if self.args.compile_sm90:
+            builds = build_sm90(kernel_sources(r.code).values(), os.path.splitext(path)[0] + "_sm90",
+                                all_configs=self.args.sm90_configs == "all")
+            self.builds[(r.case, r.provider, where["graph"])] = builds
+            self.sm90_rows += [dict(where, **asdict(b)) for b in builds]
+
+    def finish(self) -> int:
+        """The sm90 summary and failures, then the files; 1 when a kernel failed to build."""
+        failed = [b for b in self.sm90_rows if b["error"]]
+        if self.args.compile_sm90:
+            self.say(f"\nsm90 builds (Triton's ptxas; {self.args.sm90_configs} configs):")
+            self.say(sm90_table(self.builds, self.fmt))
+            self.say(f"{len(self.sm90_rows) - len(failed)} of {len(self.sm90_rows)} kernel configs built for sm90")
+            for b in failed:
+                self.say(f"  FAILED {b['case']} / {b['provider']} / {b['graph']}: {b['kernel']} [{b['config']}]: "
+                         f"{b['error']}")
+        self.say(f"\ncode, launches.csv, summary.txt, summary.json{', sm90.csv' if self.args.compile_sm90 else ''} "
+                 f"in {self.args.out}")
+        self._write()
+        return 1 if failed else 0
+
+    def _write(self) -> None:
+        import triton
+
+        out = self.args.out
+        for name, table in (("launches.csv", self.launch_rows), ("sm90.csv", self.sm90_rows)):
+            if table:
+                with open(os.path.join(out, name), "w", newline="") as f:
+                    writer = csv.DictWriter(f, fieldnames=list(table[0]))
+                    writer.writeheader()
+                    writer.writerows(table)
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump({"torch": torch.__version__, "triton": triton.__version__, "copy_gbps": self.args.copy_gbps,
+                       "rows": self.rows, "sm90": self.sm90_rows}, f, indent=1)
+        with open(os.path.join(out, "summary.txt"), "w") as f:
+            f.write("\n".join(self.lines) + "\n")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.copy_gbps <= 0:
         parser.error(f"--copy-gbps must be positive, got {args.copy_gbps}")
@@ -423,85 +516,24 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not ok:
             parser.error(f"--compile-sm90: {why}")
     names = args.providers or _default_providers()
-    missing = sorted(n for n in names if n in _TORCHAO and not _common.torchao_available())
+    missing = sorted(n for n in names if PROVIDERS[n].torchao and not _common.torchao_available())
     if missing:
         parser.error(f"{', '.join(missing)}: {_common.TORCHAO_MISSING}")
+    try:
+        cases = make_cases(args.cases, args)
+    except ValueError as e:
+        parser.error(str(e))
 
     import triton
 
     os.makedirs(args.out, exist_ok=True)
-    fmt = "github" if args.markdown else "simple"
-    lines: list[str] = []
-
-    def say(text: str = "") -> None:
-        print(text, flush=True)
-        lines.append(text)
-
-    say(f"offline H100 model, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch "
-        f"{torch.__version__}, Triton {triton.__version__}; counts from inductor's generated CUDA code (no GPU), "
-        f"roofline at {args.copy_gbps:g} GB/s: a projection, not a measurement")
-    rows: list[dict] = []
-    csv_rows: list[dict] = []
-    builds_by_graph: dict[tuple[str, str, str], list[Build]] = {}
-    sm90_rows: list[dict] = []
-    for case in make_cases(args.cases, args):
-        say(f"\n== {case.name}: {case.shape}")
-        by_provider: dict[str, list[dict]] = {}
-        failures: dict[str, str] = {}
-        for name in (n for n in names if n in case.providers):
-            start = time.perf_counter()
-            try:
-                results = capture(case, PROVIDERS[name])
-            except Exception as e:   # one provider failing must not hide the others
-                failures[name] = _common.failure_note(e, limit=200)
-                say(f"\n{name}: {failures[name]} (after {time.perf_counter() - start:.0f} s)")
-                continue
-            provider_rows = [counts(r, args.copy_gbps) for r in results]
-            by_provider[name] = provider_rows
-            rows += provider_rows
-            label = "step" if len(case.parts) > 1 or case.parts[0].repeats > 1 else "fwd + bwd"
-            say(f"\n{name} ({time.perf_counter() - start:.0f} s to generate):")
-            say(provider_table(provider_rows, label, fmt))
-            for r in results:
-                path = _save_code(args.out, r)
-                csv_rows += [dict(case=r.case, provider=r.provider, graph=f"{r.part} {r.graph}", index=x.index,
-                                  kind=x.kind, name=x.name, bytes="" if x.bytes is None else x.bytes) for x in r.launches]
-                if args.compile_sm90:
-                    builds = build_sm90(kernel_sources(r.code).values(), os.path.splitext(path)[0] + "_sm90",
-                                        all_configs=args.sm90_configs == "all")
-                    builds_by_graph[(r.case, r.provider, f"{r.part} {r.graph}")] = builds
-                    sm90_rows += [dict(case=r.case, provider=r.provider, graph=f"{r.part} {r.graph}", **asdict(b))
-                                  for b in builds]
-        if by_provider or failures:
-            say(f"\n{case.name}, per provider ({case.shape}):")
-            say(case_summary(case, by_provider, failures, fmt))
-    failed_builds = [b for b in sm90_rows if b["error"]]
-    if args.compile_sm90:
-        say(f"\nsm90 builds (Triton's ptxas; {args.sm90_configs} configs):")
-        say(sm90_table(builds_by_graph, fmt))
-        say(f"{len(sm90_rows) - len(failed_builds)} of {len(sm90_rows)} kernel configs built for sm90")
-        for b in failed_builds:
-            say(f"  FAILED {b['case']} / {b['provider']} / {b['graph']}: {b['kernel']} [{b['config']}]: {b['error']}")
-    _write(args, rows, csv_rows, sm90_rows, lines)
-    say(f"\ncode, launches.csv, summary.txt, summary.json{', sm90.csv' if args.compile_sm90 else ''} in {args.out}")
-    return 1 if failed_builds else 0
-
-
-def _write(args: argparse.Namespace, rows: list[dict], launch_rows: list[dict], sm90_rows: list[dict],
-           lines: list[str]) -> None:
-    import triton
-
-    for name, table in (("launches.csv", launch_rows), ("sm90.csv", sm90_rows)):
-        if table:
-            with open(os.path.join(args.out, name), "w", newline="") as f:
-                writer = csv.DictWriter(f, fieldnames=list(table[0]))
-                writer.writeheader()
-                writer.writerows(table)
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump({"torch": torch.__version__, "triton": triton.__version__, "copy_gbps": args.copy_gbps,
-                   "rows": rows, "sm90": sm90_rows}, f, indent=1)
-    with open(os.path.join(args.out, "summary.txt"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    run = _Run(args)
+    run.say(f"offline H100 model, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC: torch "
+            f"{torch.__version__}, Triton {triton.__version__}; counts from inductor's generated CUDA code (no GPU), "
+            f"roofline at {args.copy_gbps:g} GB/s: a projection, not a measurement")
+    for case in cases:
+        run.case(case, names)
+    return run.finish()
 
 
 if __name__ == "__main__":

@@ -46,7 +46,8 @@ def offline(tmp_path_factory) -> dict:
            "--heads", "4", "--providers", PROVIDER, "--compile-sm90", "--sm90-configs", "first", "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = out / "summary.json"
-    assert summary.exists(), f"offline.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n{run.stderr[-3000:]}"
+    assert summary.exists(), (f"offline.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n"
+                              f"{run.stderr[-3000:]}")
     data = json.loads(summary.read_text())
     data["returncode"], data["stdout"], data["out"] = run.returncode, run.stdout, out
     return data
