@@ -62,8 +62,8 @@ achievable fractions (defaults; each has a flag) and where they come from:
   on a power-capped (500 W) H100 ran at 1126 TFLOP/s (0.57 of the FP8 peak) against 585 (0.59) for
   bf16 (https://github.com/pytorch/FBGEMM/pull/2546). 0.60 on a 700 W part (FP8 GEMMs 1.6x bf16's at
   these shapes) is a deliberately cautious figure; torchao's roofline takes 0.78 for both
-  precisions, the optimistic end; the sensitivity table shows both, and gpu_suite.py's linear part
-  measures it;
+  precisions, the optimistic end; the sensitivity table shows both, and the lease kit's ceilings part
+  (``bash benchmarks/lease.sh ceilings``) measures it;
 - attn_eff 0.35: torch's flash SDPA backend runs FlashAttention-2 kernels, which use about 35% of
   an H100's peak (Shah et al., "FlashAttention-3", 2024, https://arxiv.org/abs/2407.08608, which
   reaches 75% with Hopper-specific kernels); the same fraction is used for te's Triton FP8
@@ -71,8 +71,9 @@ achievable fractions (defaults; each has a flag) and where they come from:
 - launch overhead 2 us per kernel: torchao's roofline constant (one-element Triton kernel, from a
   GPU trace). CUDA graphs would remove most of it; it is kept because the providers run without.
 These fractions are round figures for the regime, not measurements of these kernels: the projection
-ranks providers and shows where bytes go; ``benchmarks/gpu_suite.py --only projection`` puts the
-measured step beside it on a GPU.
+ranks providers and shows where bytes go; the lease kit's block part (``bash benchmarks/lease.sh
+block``) measures the step on a GPU, and ``benchmarks/offline.py`` reads the code inductor generates
+for it.
 """
 
 from __future__ import annotations
@@ -139,8 +140,7 @@ class Projection:
 
 @dataclass(frozen=True)
 class BlockProvider:
-    """How one provider compiles a block; the same definition serves the projection and gpu_suite's
-    measurement. ``backend()``: the torch.compile backend (None: inductor); ``convert``: a module swap
+    """How one provider compiles a block for the projection. ``backend()``: the torch.compile backend (None: inductor); ``convert``: a module swap
     done first (torchao), given ``emulate`` (True where the FP8 GEMMs must run on a CPU)."""
 
     name: str
