@@ -71,6 +71,7 @@ def test_te_report_every_linear_rewritten_and_head_loss_fused(dry_run):
         assert (row["linears_total"], row["linears_rewritten"]) == (LINEARS, LINEARS), row
         assert row["linears_not_rewritten"] == [], row
         assert row["head_loss_fused"] is True, row
+        assert row["note"].startswith(f"linears {LINEARS}/{LINEARS} rewritten, head + loss fused; SDPA "), row
     for row in (r for r in rows if r["provider"] == "bf16"):
         assert "linears_total" not in row, row
     # the summary's te lines say the same
