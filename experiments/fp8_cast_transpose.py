@@ -109,7 +109,8 @@ def _launch(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype, kernel
         block_m=_BLOCK_M,
         block_k=_BLOCK_K,
         # 8 warps: with 4, sm90 ptxas gives a 64x64 tile 254 registers per thread (one block per SM
-        # for a bandwidth-bound kernel); with 8, 124-150 (BENCHMARKS.md "GPU", static figures)
+        # for a bandwidth-bound kernel); with 8, 124-150 (BENCHMARKS.md, "sm90 registers, spills and
+        # shared memory", static figures)
         num_warps=8,
         IS_E4M3=fp8_dtype == torch.float8_e4m3fn,
     )

@@ -578,7 +578,8 @@ def fp8_attention_backward_triton(
                 CAUSAL=bool(causal), MASK_KIND=kind, P_SCALE=P_SCALE, FP8_GRADS=bool(fp8_grads),
                 GRAD_E4M3=grad_dtype == E4M3,
                 # head dims above 64 spill registers with 4 warps (sm90 ptxas at D=128: up to 1256 bytes
-                # per thread in dK/dV, 552 with 8; BENCHMARKS.md "GPU", static figures, not timings)
+                # per thread in dK/dV, 552 with 8; BENCHMARKS.md, "sm90 registers, spills and shared memory",
+                # static figures, not timings)
                 num_warps=8 if d > 64 else 4)
     _fp8_attention_bwd_dkdv_kernel[(triton.cdiv(tk, BLOCK_N), b * h)](*args, dk, dv, *scalars, **meta)
     _fp8_attention_bwd_dq_kernel[(triton.cdiv(tq, _BLOCK_M), b * h)](*args, dq, *scalars, **meta)
