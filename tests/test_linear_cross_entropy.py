@@ -96,10 +96,36 @@ def test_delayed_scaling_uses_its_grad_output_scale_bit_for_bit_and_reports_the_
     z = LinearLowering(LinearSpec("lm_head", recipe))(x, w, None, carrier2, *scales)
     ref_dx, ref_dw, ref_amaxes = torch.autograd.grad(F.cross_entropy(z, labels), (x, w, carrier2))
     # dz is the same in fp32 up to summation order; quantized with the same scale it mostly is the
-    # same bytes, and the GEMMs' partial sums over chunks add up in fp32
+    # same bytes, and dw is one GEMM over every row, as the unfused path's
     assert sqnr(ref_dx, dx) > 60 and sqnr(ref_dw, dw) > 60
     assert_bitwise_equal(amaxes[:2], ref_amaxes[:2])
     assert abs(float(amaxes[2]) - float(ref_amaxes[2])) <= 1e-6 * float(ref_amaxes[2])
+
+
+def test_weight_gradient_is_one_gemm_over_every_row_not_a_sum_of_chunk_products(monkeypatch):
+    """Per-chunk [V, K] fp32 partial products, added up, become one inductor kernel reading them all
+    (every chunk's buffer alive at once); the backward runs one weight-gradient GEMM instead."""
+    import te_compile.lowerings.linear_cross_entropy as lce
+
+    calls = []
+
+    def counting(a, b, *args, **kwargs):
+        calls.append((tuple(a.shape), tuple(b.shape)))
+        return fp8_gemm(a, b, *args, **kwargs)
+
+    fp8_gemm = lce.fp8_gemm
+    x, w, b, labels = _operands(torch.float32, seed(4))
+    spec = LinearCrossEntropySpec("lm_head", Float8CurrentScaling(), chunk=32)
+    loss, _ = LinearCrossEntropyLowering(spec)(x, w, b, labels)
+    monkeypatch.setattr(lce, "fp8_gemm", counting)
+    dx, dw = torch.autograd.grad(loss, (x, w))
+    weight_gemms = [c for c in calls if c[0] == (V, M)]
+    assert weight_gemms == [((V, M), (M, K))], calls
+    # per chunk: the recomputed logits and dx
+    assert sorted(set(calls) - set(weight_gemms)) == [((32, K), (K, V)), ((32, V), (V, K))], calls
+    assert len(calls) == 1 + 2 * M // 32, calls
+    ref = F.cross_entropy(LinearLowering(LinearSpec("lm_head", Float8CurrentScaling()))(x, w, b), labels)
+    assert sqnr(_grads(ref, (w,))[0], dw) >= 30
 
 
 @pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
