@@ -94,7 +94,7 @@ class MoELayer(nn.Module):
         return y, y.float().square().mean()
 
 
-def _torchao_moe(model: MoELayer) -> MoELayer:
+def torchao_moe(model: MoELayer) -> MoELayer:
     from torchao.prototype.moe_training.config import Float8TrainingOpConfig
     from torchao.quantization import quantize_
 
@@ -119,7 +119,7 @@ def _providers(device: torch.device, recipes, args) -> list[tuple[str, Callable,
         for name, o, note in variants:
             out.append((name, lambda m, o=o: torch.compile(m, backend=te_compile.backend(**o), dynamic=False), note))
     if _common.torchao_available():
-        out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(_torchao_moe(m), dynamic=False),
+        out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(torchao_moe(m), dynamic=False),
                     "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs); groups padded to 16 rows"))
     else:
         out.append(("torchao MoE float8 rowwise", None, _common.TORCHAO_MISSING))
@@ -172,7 +172,7 @@ def _lease_prepare(provider: str, args) -> Callable:
     if provider == "torchao MoE float8 rowwise":
         if not _common.torchao_available():
             raise ImportError(_common.TORCHAO_MISSING)
-        return lambda m: torch.compile(_torchao_moe(m), backend=compiler, dynamic=False)
+        return lambda m: torch.compile(torchao_moe(m), backend=compiler, dynamic=False)
     if provider.startswith("te ") and provider.endswith(" E4M3"):
         return _common.lease_backend(provider[:-len(" E4M3")], args, fp8_format="E4M3")
     return _common.lease_backend(provider, args)

@@ -126,7 +126,7 @@ def _torchao_dense(recipe: str) -> Callable[[nn.Module], object]:
 def _torchao_moe(module: nn.Module) -> object:
     import bench_moe
 
-    return bench_moe._torchao_moe(module)
+    return bench_moe.torchao_moe(module)
 
 
 # the lease kit's names (its dense parts' and bench_moe's)
