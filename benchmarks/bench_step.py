@@ -83,6 +83,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import _record
+from _common import TE_RECIPES, TORCHAO_MISSING, torchao_convert
 
 __all__ = [
     # the model
@@ -95,8 +96,6 @@ __all__ = [
 
 PROVIDERS = ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao float8 tensorwise",
              "torchao float8 rowwise")
-_TE_OPTIONS = {"Float8CurrentScaling": {}, "DelayedScaling": {"amax_history_len": 16}}
-_TORCHAO_MISSING = "torchao not importable (pip install -e '.[bench]')"
 _PART = "step"
 _LAUNCHED = "BENCH_STEP_LAUNCHED"   # the parent's time.time() when it started a child, for the child's startup_s
 _GiB = 2.0 ** 30
@@ -307,17 +306,7 @@ def _backend(provider: str, compiler: str):
     import te_compile
 
     recipe = provider.split(" ", 1)[1]
-    return te_compile.backend(recipe=recipe, compiler=compiler, **_TE_OPTIONS[recipe])
-
-
-def _convert_torchao(model: nn.Module, provider: str, device: torch.device) -> None:
-    """torchao's module swap of every linear (all dims here are multiples of 16), as its users write it;
-    its own FP8 GEMMs on CUDA, ``emulate=True`` elsewhere."""
-    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-
-    recipe = provider.rsplit(" ", 1)[1]
-    config = dataclasses.replace(Float8LinearConfig.from_recipe_name(recipe), emulate=device.type != "cuda")
-    convert_to_float8_training(model, config=config)
+    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe])
 
 
 def _compile(model: Llama, backend, mode: str) -> Callable:
@@ -379,7 +368,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
         try:
             import torchao.float8  # noqa: F401
         except ImportError as e:
-            reason = f"skipped: {_TORCHAO_MISSING}: {e}"
+            reason = f"skipped: {TORCHAO_MISSING}: {e}"
             print(f"bench_step: {provider}: {reason}", flush=True)
             _record.write_row(args.jsonl, part=_PART, provider=provider, metric="tokens_per_s", median=None,
                               shape=_shape(cfg, args, "fwd+bwd+adamw"), note=reason, **common)
@@ -392,7 +381,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     batch = torch.randint(0, cfg.vocab, (args.batch, args.tokens + 1), generator=gen).to(device)
     x, y = batch[:, :-1].contiguous(), batch[:, 1:].contiguous()          # [B, T] each
     if provider.startswith("torchao"):
-        _convert_torchao(model, provider, device)
+        torchao_convert(model, provider.rsplit(" ", 1)[1], device)   # its FP8 GEMMs on CUDA, emulated elsewhere
     if provider.startswith("te"):
         import te_compile
         te_compile.reset()
@@ -551,7 +540,7 @@ def _run_parent(args: argparse.Namespace) -> int:
     failed = []
     for provider in args.providers:
         if provider.startswith("torchao") and importlib.util.find_spec("torchao") is None:
-            reason = f"skipped: {_TORCHAO_MISSING}"
+            reason = f"skipped: {TORCHAO_MISSING}"
             print(f"bench_step: {provider}: {reason}", flush=True)
             _record.write_row(args.jsonl, part=_PART, provider=provider, metric="tokens_per_s", median=None,
                               shape=_shape(cfg, args, "fwd+bwd+adamw"), note=reason, dry=args.dry)
