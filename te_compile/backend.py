@@ -15,7 +15,7 @@ from .eager_experts import trace_eager_experts
 from .library_warnings import ignore_library_warnings
 from .passes import run_passes
 from .passes.async_tp import async_tp_enabled
-from .passes.micro_pipeline import micro_pipeline_tp
+from .fx.micro_pipeline import micro_pipeline_tp
 from .report import Report, add_records, next_graph_id
 
 __all__ = ["te_backend", "backend"]
@@ -31,7 +31,7 @@ ignore_library_warnings()
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                     mode: Optional[str], cacheable: Optional[dict[str, str]] = None) -> Callable:
     """aot_eager or inductor (with ``mode``'s options) on the rewritten graph. ``cacheable``: the
-    lowerings' published names (passes/cache_names.py), vouched for to AOTAutograd's cache while
+    lowerings' published names (fx/cache_names.py), vouched for to AOTAutograd's cache while
     this graph compiles, which then keys the graph by them instead of bypassing it."""
     async_tp = async_tp_enabled(config)
     if config.compiler == "aot_eager":
@@ -80,7 +80,7 @@ def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
 def _per_call(compiled: Callable, result) -> Callable:
     """What runs at each call besides the graph: the extra inputs of the rewritten graph (the recipe
     state of the weights this call receives) appended to Dynamo's arguments, and the report rows of
-    a module instance that reuses the graph (passes/naming.py).
+    a module instance that reuses the graph (fx/naming.py).
 
     Dynamo passes parameters as graph inputs and reuses one compiled graph for every instance of
     a module class, so state is looked up per call by weight (a weak-keyed dict lookup per stateful

@@ -294,7 +294,7 @@ def test_reduce_overhead_mode_is_accepted_and_forwarded_to_inductor(monkeypatch)
     patches = [p for p in patches if p]
     assert len(patches) == 2, patches
     names = patches[0].pop("unsafe_marked_cacheable_functions")
-    assert names and all(n.startswith("te_compile.passes.cache_names.te_") for n in names), names
+    assert names and all(n.startswith("te_compile.fx.cache_names.te_") for n in names), names
     assert patches[0] == {}, patches
     assert patches[1].pop("unsafe_marked_cacheable_functions") == names
     assert patches[1] == {"triton.cudagraphs": True}, patches

@@ -1,4 +1,4 @@
-"""AOTAutograd's cache keeps te graphs (passes/cache_names.py).
+"""AOTAutograd's cache keeps te graphs (fx/cache_names.py).
 
 Pass level: a lowering's published name is a function of its type, its spec and te_compile's
 source, importable from cache_names; one without a stable encoding stays unnamed. End to end: a
@@ -28,7 +28,7 @@ import te_compile
 from te_compile.gemm import per_tensor as gemm
 from te_compile.lowerings import LinearLowering, LinearSpec
 from te_compile.models import GPT
-from te_compile.passes import cache_names
+from te_compile.fx import cache_names
 from te_compile.recipe import CustomRecipe, DelayedScaling, Float8CurrentScaling
 from te_compile.tensor import (Float8BlockQuantizer, Float8CurrentScalingQuantizer, Float8Tensor,
                                GroupedFloat8Tensor, MXFP8Quantizer, NVFP4Quantizer, cache_identity)

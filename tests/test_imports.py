@@ -22,13 +22,16 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "te_compile"
 # weights) sit beside the lowerings, on the recipe -> quantizer layer both use.
 LAYERS = [
     ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
-     "te_compile.report", "te_compile.eager_experts", "te_compile.library_warnings"],
+     "te_compile.report", "te_compile.eager_experts", "te_compile.library_warnings", "te_compile.numerics",
+     "te_compile.torchao_peer"],
     ["te_compile.kernels"],
     ["te_compile.distributed", "te_compile.state", "te_compile.config", "te_compile.context_parallel",
-     "te_compile.pipeline"],
+     "te_compile.pipeline", "te_compile.memory"],
     ["te_compile.tensor"],
     ["te_compile.quantization", "te_compile.custom_recipes"],
     ["te_compile.gemm"],
+    # graph-only helpers: below every pass and lowering that may walk a graph
+    ["te_compile.fx"],
     ["te_compile.lowerings", "te_compile.fsdp", "te_compile.primary_weights", "te_compile.weight_cache",
      "te_compile.calibration", "te_compile.kv_cache"],
     ["te_compile.passes"],

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 import te_compile
 from models import TinyGPT
 from te_compile.kernels.norm_quantize import norm_forward_reference
-from te_compile.passes.graphs import graph_scopes
+from te_compile.fx.graphs import graph_scopes
 from te_compile.passes.norm_sites import find_norm_sites
 from te_compile.scaling import cast_to_fp8
 from test_norm_sites import HF_EXPECTED, NORMS, D, _hf_models

@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from te_compile.passes.graphs import graph_scopes
+from te_compile.fx.graphs import graph_scopes
 from te_compile.passes.norm_sites import find_norm_sites
 
 D = 32

@@ -17,17 +17,17 @@ from ..config import ConfigError, TeConfig
 from ..distributed import graph_mesh, resolve_amax_group, resolve_context_parallel
 from ..pipeline import choose_update_on, confine_to_stage, current_stage
 from ..report import SiteRecord
+from ..fx.cache_names import publish_lowerings
+from ..fx.graphs import GraphScope, graph_scopes
+from ..fx.naming import FrameInstances
 from .context import PassContext
 from .delayed_state import DelayedState, ExtraInput
-from .graphs import GraphScope, graph_scopes
 from .linear import rewrite_linears
 from .grouped_linear import rewrite_grouped_linears
 from .linear_cross_entropy import fuse_linear_cross_entropy
-from .naming import FrameInstances
 from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
 from .attention_projection import hand_off_fp8_mha
-from .cache_names import publish_lowerings
 from .norm_fusion import fuse_norms
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
@@ -55,7 +55,7 @@ class PassResult:
     extra_inputs: list[ExtraInput] = field(default_factory=list)   # after Dynamo's, in order
     counts: dict[str, int] = field(default_factory=dict)           # pass name -> sites rewritten
     instances: Optional[FrameInstances] = None   # None: the graph takes no parameter
-    # "<module>.<name>" -> digest of each lowering the graph calls (cache_names.py): for inductor's
+    # "<module>.<name>" -> digest of each lowering the graph calls (fx/cache_names.py): for inductor's
     # unsafe_marked_cacheable_functions, so that AOTAutograd's cache may keep the graph
     cacheable: dict[str, str] = field(default_factory=dict)
 

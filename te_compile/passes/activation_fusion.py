@@ -31,8 +31,8 @@ from ..lowerings.activation_fusion import (ActivationGroupedLinearLowering, Acti
 from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
 from ..report import SiteRecord
-from .graphs import GraphScope, module_fqn
-from .matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
+from ..fx.graphs import GraphScope, module_fqn
+from ..fx.matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
 from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .context import PassContext
 

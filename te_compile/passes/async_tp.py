@@ -27,7 +27,7 @@ import torch.fx as fx
 
 from ..distributed import is_dtensor
 from ..lowerings.async_tp_linear import AsyncTp
-from .matching import value_of
+from ..fx.matching import value_of
 from .sites import LinearSite
 
 __all__ = ["async_tp_enabled", "async_tp_form", "column_groups"]

@@ -35,8 +35,8 @@ from ..lowerings.attention import AttentionLowering, AttentionSpec, attention_gr
 from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
 from ..lowerings.kv_cache_attention import KvCacheAttentionLowering, KvCacheAttentionSpec
 from ..state import attention_key_param
-from .graphs import GraphScope, ParamRef, module_fqn
-from .matching import shape_text, value_of
+from ..fx.graphs import GraphScope, ParamRef, module_fqn
+from ..fx.matching import shape_text, value_of
 from .context import PassContext
 from .kv_cache_attention import kv_cache_operands, kv_cache_sources
 

@@ -44,8 +44,8 @@ from ..lowerings.attention_inputs import ColumnQuantizeLowering, ColumnQuantizeS
 from ..lowerings.attention import AttentionLowering
 from ..lowerings.linear import LinearLowering
 from ..lowerings.norm_fusion import NormLinearsLowering
-from .graphs import GraphScope
-from .matching import method_or_name, value_of
+from ..fx.graphs import GraphScope
+from ..fx.matching import method_or_name, value_of
 
 __all__ = ["hand_off_inputs"]
 

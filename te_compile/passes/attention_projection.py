@@ -21,9 +21,9 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..lowerings.attention_projection import AttentionProjectionLowering, AttentionProjectionSpec
 from ..lowerings.attention import AttentionLowering
 from ..report import SiteRecord
+from ..fx.graphs import GraphScope
+from ..fx.matching import method_or_name, shape_text, value_of
 from .attention_inputs import hand_off_inputs
-from .graphs import GraphScope
-from .matching import method_or_name, shape_text, value_of
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name
 from .context import PassContext
 

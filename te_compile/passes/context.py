@@ -11,8 +11,8 @@ from ..config import TeConfig
 from ..distributed import AmaxGroup, describe_groups, describe_placements, expert_shard_groups, is_dtensor
 from ..recipe import Recipe
 from ..report import SiteRecord
+from ..fx.graphs import GraphScope, ParamRef
 from .delayed_state import DelayedState
-from .graphs import GraphScope, ParamRef
 
 __all__ = ["PassContext"]
 

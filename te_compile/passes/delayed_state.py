@@ -27,7 +27,7 @@ from ..distributed import minimal_groups
 from ..lowerings.delayed_state import DelayedScalingUpdate, UpdateSpec, amax_sink
 from ..recipe import ATTENTION_ROLES, GEMM_ROLES, DelayedScaling
 from ..state import ATTENTION_SITE, amax_anchor, attention_state_for, read_attention_state, read_state, state_for
-from .graphs import GraphScope, ParamRef
+from ..fx.graphs import GraphScope, ParamRef
 
 __all__ = ["StateInput", "AttentionStateInput", "AnchorInput", "SinkInput", "DelayedState"]
 

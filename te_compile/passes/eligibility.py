@@ -9,7 +9,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..distributed import is_dtensor, local_value
 from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
-from .matching import shape_text, value_of
+from ..fx.matching import shape_text, value_of
 from .sites import LinearSite
 
 __all__ = ["linear_ineligibility", "shape_str", "divisible"]

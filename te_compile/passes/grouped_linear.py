@@ -14,10 +14,10 @@ from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
+from ..fx.graphs import GraphScope, insert_call
+from ..fx.matching import shape_text, value_of
 from .context import PassContext
 from .eligibility import divisible
-from .graphs import GraphScope, insert_call
-from .matching import shape_text, value_of
 from .sites import GroupedSite, find_grouped_sites
 
 __all__ = ["rewrite_grouped_linears"]

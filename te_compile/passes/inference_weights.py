@@ -26,8 +26,8 @@ import torch.fx as fx
 
 from ..recipe import Recipe
 from ..weight_cache import cached_fp8_weight
+from ..fx.graphs import GraphScope
 from .context import PassContext
-from .graphs import GraphScope
 from .sites import LinearSite
 
 __all__ = ["CachedWeightInput", "cached_weight"]

@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from ..kv_cache import dequantize_kv  # noqa: F401  (registers the op the walk looks for)
-from .matching import value_of
+from ..fx.matching import value_of
 
 __all__ = ["kv_cache_sources", "kv_cache_operands"]
 

@@ -17,8 +17,8 @@ from ..lowerings.sharded_linear import plan_linear_sharding
 from ..quantization import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
+from ..fx.graphs import GraphScope, insert_call
 from .eligibility import linear_ineligibility, shape_str
-from .graphs import GraphScope, insert_call
 from .inference_weights import cached_weight
 from .sites import LinearSite, find_linear_sites
 from .async_tp import async_tp_enabled, async_tp_form, column_groups

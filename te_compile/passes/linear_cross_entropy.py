@@ -33,9 +33,9 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.linear_cross_entropy import (LinearCrossEntropyLowering, LinearCrossEntropySpec, chunk_rows,
                                               size_hint)
 from ..lowerings.vocab_parallel import plan_vocab_parallel
+from ..fx.graphs import GraphScope, module_fqn
+from ..fx.matching import CASTS, MUL, calls, method_or_name, shape_of, value_of, written_between
 from .context import PassContext
-from .graphs import GraphScope, module_fqn
-from .matching import CASTS, MUL, calls, method_or_name, shape_of, value_of, written_between
 from .sites import LinearSite, find_linear_sites
 
 __all__ = ["fuse_linear_cross_entropy"]

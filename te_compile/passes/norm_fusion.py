@@ -28,9 +28,9 @@ from ..lowerings.linear import autocast_dtype
 from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering
 from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
-from .graphs import GraphScope
+from ..fx.graphs import GraphScope
+from ..fx.matching import dtype_of, method_or_name, shape_text, value_of, written_between
 from .norm_sites import NormSite, find_norm_sites
-from .matching import dtype_of, method_or_name, shape_text, value_of, written_between
 from .readers import Reader, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
 from .context import PassContext
 

@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 
 from ..norm_spec import NormSpec
-from .graphs import GraphScope, module_fqn
-from .matching import ADD, CASTS, MUL, SUB, calls, dtype_of, erased, method_or_name, squared, strip_casts
+from ..fx.graphs import GraphScope, module_fqn
+from ..fx.matching import ADD, CASTS, MUL, SUB, calls, dtype_of, erased, method_or_name, squared, strip_casts
 
 __all__ = ["NormSite", "find_norm_sites"]
 

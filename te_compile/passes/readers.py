@@ -14,7 +14,7 @@ import torch.fx as fx
 from ..distributed import NO_GROUPS, is_dtensor
 from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
-from .matching import CASTS, dtype_of, method_or_name, shape_of
+from ..fx.matching import CASTS, dtype_of, method_or_name, shape_of
 
 __all__ = ["Reader", "Readers", "find_readers", "passes_through", "linear_fusable", "view_inputs", "dying",
            "linear_name"]

@@ -38,8 +38,8 @@ from typing import Optional
 import torch
 import torch.fx as fx
 
-from .graphs import GraphScope, ParamRef, module_fqn
-from .matching import value_of
+from ..fx.graphs import GraphScope, ParamRef, module_fqn
+from ..fx.matching import value_of
 
 __all__ = ["LinearSite", "find_linear_sites", "GroupedSite", "find_grouped_sites"]
 
