@@ -33,7 +33,8 @@ from ..lowerings.linear import LinearLowering
 from ..report import SiteRecord
 from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
-from .readers import Reader, Readers, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
+from .readers import (Reader, Readers, dying, find_readers, linear_name, passes_through, view_inputs,
+                      why_not_fused_linear)
 from .context import PassContext
 
 __all__ = ["fuse_activations", "fuse_hand_written_activations"]
@@ -89,19 +90,19 @@ def _gate_partner(act: fx.Node, h: fx.Node) -> Optional[fx.Node]:
     return u if isinstance(u, fx.Node) and u is not act and shape_of(u) == shape_of(h) else None
 
 
-def _why_not(reader: Reader, readers: Readers, inputs: tuple, act: fx.Node) -> Optional[str]:
+def _why_not_activation(reader: Reader, readers: Readers, inputs: tuple, act: fx.Node) -> Optional[str]:
     """None when the activation ``act`` and ``reader``, its first FP8 linear, can fuse; else why not."""
-    why = linear_fusable(reader, "activation")
+    why = why_not_fused_linear(reader, "activation")
     if why is None and (len(readers.linears) > 1 or readers.others):
         why = "its output has other readers"
     if why is None and any(is_dtensor(t.meta.get("example_value")) for t in inputs if t is not None):
         why = "DTensor input"
     if why is None:
-        why = _written_before(act, reader.node, inputs)
+        why = _why_not_in_place(act, reader.node, inputs)
     return why
 
 
-def _written_before(act: fx.Node, linear: fx.Node, inputs: tuple) -> Optional[str]:
+def _why_not_in_place(act: fx.Node, linear: fx.Node, inputs: tuple) -> Optional[str]:
     """The fused call applies the activation where the linear runs: an in-place write into its
     input (or a view of it) between the two would reach the linear, not the activation."""
     names = sorted({name for t in inputs if t is not None for name in written_between(t, act, linear)})
@@ -137,7 +138,7 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
             continue
         reader = readers.linears[0]
         linear = reader.node.target
-        why = _why_not(reader, readers, (h, u), node)
+        why = _why_not_activation(reader, readers, (h, u), node)
         if why is not None:
             record(False, f"{linear_name(reader)}: {why}", linear.spec.recipe.name)
             continue
@@ -238,7 +239,7 @@ def fuse_hand_written_activations(ctx: PassContext, scope: GraphScope) -> int:
         reader = next(r for r in readers.linears if r.node is node)
         op = _hand_written_name(nodes)
         fqn = scope.fqn(module_fqn(out))
-        why = _why_not(reader, readers, (h,), nodes[0])
+        why = _why_not_activation(reader, readers, (h,), nodes[0])
         linear = node.target
         record = SiteRecord(fqn=fqn, op=op, recipe=linear.spec.recipe.name, rewritten=why is None,
                             reason=(f"{linear_name(reader)}: {why}" if why else

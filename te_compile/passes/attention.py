@@ -57,7 +57,7 @@ def _args(node: fx.Node) -> dict[str, Any]:
     return args
 
 
-def _ineligibility(args: dict) -> Optional[str]:
+def _why_not_attention(args: dict) -> Optional[str]:
     """Why this call stays SDPA, or None when FP8 attention computes it."""
     for name in ("dropout_p", "is_causal", "scale", "enable_gqa"):
         if isinstance(args[name], fx.Node):
@@ -159,7 +159,7 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     """Route an SDPA call to te's context-parallel FP8 attention, or raise: left as SDPA, it would attend
     to this rank's slice of the keys only."""
     group, rank = ctx.context_parallel
-    why = _ineligibility(args)
+    why = _why_not_attention(args)
     if why is None and args["attn_mask"] is not None:
         why = "an attn_mask (is_causal=True and no mask are supported)"
     if why is None and (recipe is None or not (recipe.float8_current_scaling() or recipe.delayed())):
@@ -205,7 +205,7 @@ def _kv_cache(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args
               record) -> bool:
     """Route an SDPA call whose K and V come from te's FP8 cache to the attention that reads its bytes
     (lowerings/kv_cache_attention.py); False, with the row written, when it stays SDPA."""
-    reason = ctx.left_alone(scope, recipe, why) or _ineligibility(args)
+    reason = ctx.why_not_any_site(scope, recipe, why) or _why_not_attention(args)
     if reason is None and getattr(value_of(args["query"]), "requires_grad", False):
         reason = "the query needs a gradient (the FP8-cache attention is for inference)"
     if reason is not None:
@@ -238,13 +238,13 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
             _context_parallel(ctx, scope, node, fqn, args, recipe, record)
             count += 1
             continue
-        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+        if (alone := ctx.why_not_any_site(scope, recipe, why)) is not None:
             record(False, alone)
             continue
         if not (config.rewrite.sdpa or recipe.fp8_dpa or recipe.fp8_mha):
             record(False, f"[rewrite] sdpa = false and {recipe.name}.fp8_dpa = false")
             continue
-        reason = _ineligibility(args)
+        reason = _why_not_attention(args)
         if reason is not None:
             record(False, f"{reason} (left in high precision)", recipe.name)
             continue

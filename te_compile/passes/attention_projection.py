@@ -24,7 +24,7 @@ from ..report import SiteRecord
 from ..fx.graphs import GraphScope
 from ..fx.matching import method_or_name, shape_text, value_of
 from .attention_inputs import hand_off_inputs
-from .readers import Reader, dying, find_readers, linear_fusable, linear_name
+from .readers import Reader, dying, find_readers, linear_name, why_not_fused_linear
 from .context import PassContext
 
 __all__ = ["hand_off_fp8_mha"]
@@ -92,7 +92,7 @@ def _projection(out: fx.Node) -> tuple[Optional[Reader], bool, str]:
     if len(readers.linears) != 1 or readers.others:
         return None, False, "the reshaped output has readers other than one FP8 linear"
     reader = readers.linears[0]
-    why = linear_fusable(reader, "attention")
+    why = why_not_fused_linear(reader, "attention")
     if why is None and reader.casts:
         why = "a dtype cast between attention and the projection"
     return reader, flat, why or ""

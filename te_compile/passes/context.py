@@ -90,7 +90,7 @@ class PassContext:
         return f"; weight: this rank's shard of the DTensor {param.name} ({describe_placements(param.value)})"
 
     @staticmethod
-    def left_alone(scope: GraphScope, recipe: Optional[Recipe], why: str) -> Optional[str]:
+    def why_not_any_site(scope: GraphScope, recipe: Optional[Recipe], why: str) -> Optional[str]:
         """Why a site stays as it is whatever its kind (a graph the passes only report on, recipe
         'none'; ``why``: why the config chose the recipe), or None."""
         if scope.unsupported is not None:

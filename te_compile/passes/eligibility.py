@@ -12,7 +12,7 @@ from ..recipe import Recipe
 from ..fx.matching import shape_text, value_of
 from .sites import LinearSite
 
-__all__ = ["linear_ineligibility", "shape_str", "divisible"]
+__all__ = ["why_not_linear", "shape_str", "divisible"]
 
 _DEVICES = ("cpu", "cuda")
 
@@ -53,7 +53,7 @@ def _cut(site: LinearSite, name: str) -> str:
             f"over {', '.join(cuts)}: each rank holds only its shard, so keep every shard a whole number of blocks")
 
 
-def linear_ineligibility(site: LinearSite, recipe: Recipe) -> Optional[str]:
+def why_not_linear(site: LinearSite, recipe: Recipe) -> Optional[str]:
     # DTensor operands run shard by shard: judge the local shards (a column-parallel N is N / tp)
     x, w = local_value(value_of(site.x)), local_value(value_of(site.weight))
     if x is None or w is None:

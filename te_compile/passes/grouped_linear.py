@@ -32,7 +32,7 @@ def _shapes(site: GroupedSite) -> str:
     return " ".join(parts)
 
 
-def _ineligibility(site: GroupedSite, recipe: Recipe) -> Optional[str]:
+def _why_not_grouped_linear(site: GroupedSite, recipe: Recipe) -> Optional[str]:
     """Why the site cannot run under ``recipe``, or None."""
     problem = recipe.grouped_gemm_problem()
     if problem is not None:
@@ -107,10 +107,10 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         if not config.rewrite.grouped_linear:
             record(False, "[rewrite] grouped_linear = false")
             continue
-        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+        if (alone := ctx.why_not_any_site(scope, recipe, why)) is not None:
             record(False, alone)
             continue
-        reason = _ineligibility(site, recipe)
+        reason = _why_not_grouped_linear(site, recipe)
         if reason is not None:
             record(False, reason, recipe.name)
             continue

@@ -18,7 +18,7 @@ from ..quantization import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..fx.graphs import GraphScope, insert_call
-from .eligibility import linear_ineligibility, shape_str
+from .eligibility import shape_str, why_not_linear
 from .inference_weights import cached_weight
 from .sites import LinearSite, find_linear_sites
 from .async_tp import async_tp_enabled, async_tp_form, column_groups
@@ -133,10 +133,10 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
         if not config.rewrite.linear:
             record(False, "[rewrite] linear = false")
             continue
-        if (alone := ctx.left_alone(scope, recipe, why)) is not None:
+        if (alone := ctx.why_not_any_site(scope, recipe, why)) is not None:
             record(False, alone)
             continue
-        reason = linear_ineligibility(site, recipe)
+        reason = why_not_linear(site, recipe)
         if reason is not None:
             record(False, reason, recipe.name)
             continue

@@ -58,7 +58,7 @@ def _loss_args(node: fx.Node) -> Optional[dict]:
     return dict(bound.arguments)
 
 
-def _unsupported_loss(args: dict) -> Optional[str]:
+def _why_not_loss(args: dict) -> Optional[str]:
     if args["weight"] is not None:
         return "class weights"
     if args["size_average"] is not None or args["reduce"] is not None:
@@ -237,7 +237,7 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
         if scope.unsupported is not None:
             record(False, scope.unsupported, label)
             continue
-        why = path.why or _unsupported_loss(args) or _why_not_layer(layer, plain)
+        why = path.why or _why_not_loss(args) or _why_not_layer(layer, plain)
         if why is None and len(shape_of(args["input"]) or ()) != 2:
             why = "the loss reads logits that are not [tokens, vocab]"
         x, weight, bias, extra, recipe, weight_in_out, layer_fqn = (_layer_operands(layer, plain) if why is None

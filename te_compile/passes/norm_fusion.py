@@ -31,7 +31,7 @@ from ..report import SiteRecord
 from ..fx.graphs import GraphScope
 from ..fx.matching import dtype_of, method_or_name, shape_text, value_of, written_between
 from .norm_sites import NormSite, find_norm_sites
-from .readers import Reader, dying, find_readers, linear_fusable, linear_name, passes_through, view_inputs
+from .readers import Reader, dying, find_readers, linear_name, passes_through, view_inputs, why_not_fused_linear
 from .context import PassContext
 
 __all__ = ["fuse_norms"]
@@ -100,7 +100,7 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
         # the first fusable reader picks the recipe and casts; readers that differ stay unfused
         chosen, left = [], []
         for r in readers.linears:
-            why = linear_fusable(r, "norm")
+            why = why_not_fused_linear(r, "norm")
             first = chosen[0] if chosen else None
             if why is None and first is not None and (r.node.target.spec.recipe != first.node.target.spec.recipe):
                 why = f"recipe differs from {linear_name(first)}'s"
@@ -115,7 +115,7 @@ def fuse_norms(ctx: PassContext, scope: GraphScope) -> int:
                     left[0][0].node.target.spec.recipe.name)
             continue
         recipe = chosen[0].node.target.spec.recipe.name
-        written = _written_in_place(site, chosen, order)
+        written = _why_not_in_place(site, chosen, order)
         if written is not None:
             _record(ctx, scope, site, False, written, recipe)
             continue
@@ -187,7 +187,7 @@ def _fuse_into_loss(scope: GraphScope, site: NormSite, loss: fx.Node, casts: tup
             scope.graph.erase_node(gone)
 
 
-def _written_in_place(site: NormSite, chosen: list[Reader], order: dict[fx.Node, int]) -> Optional[str]:
+def _why_not_in_place(site: NormSite, chosen: list[Reader], order: dict[fx.Node, int]) -> Optional[str]:
     """Why the norm must stay unfused when an in-place op writes into its input or output (or a view
     of them) while the fused call would be in flight: the call computes the norm from x where its
     operands are ready and hands the linears its FP8 operand, so it would miss that write."""

@@ -16,7 +16,7 @@ from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
 from ..fx.matching import CASTS, dtype_of, method_or_name, shape_of
 
-__all__ = ["Reader", "Readers", "find_readers", "passes_through", "linear_fusable", "view_inputs", "dying",
+__all__ = ["Reader", "Readers", "find_readers", "passes_through", "view_inputs", "dying", "why_not_fused_linear",
            "linear_name"]
 
 _VIEWS = ("view", "reshape", "flatten", "unflatten", "unsqueeze", "squeeze", "contiguous")
@@ -84,7 +84,7 @@ def find_readers(out: fx.Node) -> Readers:
     return found
 
 
-def linear_fusable(reader: Reader, what: str) -> Optional[str]:
+def why_not_fused_linear(reader: Reader, what: str) -> Optional[str]:
     """None when the linear can take its input from the fused ``what`` ("norm", "activation"), else
     why not."""
     spec = reader.node.target.spec
