@@ -38,7 +38,7 @@ from tabulate import tabulate
 
 import _record
 import te_compile
-from te_compile.cli import _torchao_float8   # the demo's peer conversion, shared with every torchao row
+from te_compile.torchao_peer import torchao_float8   # the demo's peer conversion, shared with every torchao row
 
 # Dense tensor-core peaks of an H100 SXM (NVIDIA datasheet, without sparsity), in TFLOP/s.
 H100_SXM_BF16_TFLOPS = 989.0
@@ -81,7 +81,7 @@ def torchao_convert(model: torch.nn.Module, recipe: str, device: torch.device) -
     Raises ImportError without torchao."""
     if recipe not in TORCHAO_RECIPES:
         raise ValueError(f"torchao recipe must be one of {TORCHAO_RECIPES}, got {recipe!r}")
-    return _torchao_float8(model, emulate=torch.device(device).type != "cuda", recipe=recipe)
+    return torchao_float8(model, emulate=torch.device(device).type != "cuda", recipe=recipe)
 
 
 def torchao_note(recipe: str, device: torch.device) -> str:

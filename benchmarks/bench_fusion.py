@@ -36,7 +36,7 @@ from tabulate import tabulate
 
 import _common
 import te_compile
-from te_compile.cli import _saved_for_backward_bytes as saved_bytes   # the demo's measure
+from te_compile.memory import saved_for_backward_bytes   # the demo's measure
 from te_compile.models import GPT
 
 RECIPES = ("Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling")
@@ -134,7 +134,7 @@ def _measure(provider: str, model, x, y, variant: str = "") -> dict:
             compiled = torch.compile(_common.torchao_convert(model, recipe, x.device), backend="inductor")
         else:
             compiled = torch.compile(model, backend=te_compile.backend(recipe=provider, **VARIANTS[variant]))
-        saved = saved_bytes(compiled, x, y)
+        saved = saved_for_backward_bytes(compiled, x, y)
     name = (provider if provider == "inductor" else
             f"torchao float8 {provider.split()[1]}" if provider.startswith("torchao ") else f"te {provider}{variant}")
     return {"provider": name,

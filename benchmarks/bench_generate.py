@@ -105,11 +105,11 @@ def _median(fn, device, iters: int) -> float:
 def _weight_bytes(model) -> int:
     """The distinct storages of the parameters (a quantized weight's bytes and scales, as the demo's
     saved-bytes measure walks them), plus the FP8 copies te's inference cache holds for them."""
-    from te_compile.cli import _storages
+    from te_compile.memory import storages
     from te_compile.weight_cache import cached_bytes
 
     params = list(model.parameters())
-    return sum(n for _, n in {key for p in params for key in _storages(p)}) + cached_bytes(params)
+    return sum(n for _, n in {key for p in params for key in storages(p)}) + cached_bytes(params)
 
 
 def main() -> None:

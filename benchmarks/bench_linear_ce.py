@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import te_compile  # noqa: E402
-from te_compile.cli import _saved_for_backward_bytes  # noqa: E402
+from te_compile.memory import saved_for_backward_bytes  # noqa: E402
 
 SHAPES = {"cuda": (8192, 4096, 128256), "cpu": (1024, 256, 16032)}   # tokens, hidden, vocab
 
@@ -121,7 +121,7 @@ def main() -> None:
                 step()
                 torch.cuda.synchronize()
                 row["peak"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-            row["saved"] = _saved_for_backward_bytes(model, h, labels) / 2**20
+            row["saved"] = saved_for_backward_bytes(model, h, labels) / 2**20
         except Exception as e:   # one provider failing must not hide the others
             row["note"] = _common.failure_note(e, limit=100)
             continue

@@ -43,8 +43,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import _common  # noqa: E402
 import te_compile  # noqa: E402
-from te_compile.cli import _saved_for_backward_bytes  # noqa: E402
 from te_compile.gemm.grouped import pad_groups  # noqa: E402
+from te_compile.memory import saved_for_backward_bytes  # noqa: E402
 from te_compile.models import Experts  # noqa: E402
 
 # name -> (experts, top-k, hidden, ffn, tokens), per device
@@ -148,7 +148,7 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
             def step():
                 model(x)[1].backward()
             first, median = _common.time_step(step, device, args.iters, args.warmup)
-            saved = _saved_for_backward_bytes(model, x, None)
+            saved = saved_for_backward_bytes(model, x, None)
         except Exception as e:   # one provider failing must not hide the others
             row["note"] = _common.failure_note(e, limit=100)
             continue

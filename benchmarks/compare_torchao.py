@@ -35,7 +35,7 @@ import torch
 from tabulate import tabulate
 
 import _common
-from te_compile.gemm.block_probe import _sqnr_db as _sqnr   # 20 log10(|ref| / |ref - x|), inf when equal
+from te_compile.numerics import sqnr_db   # 20 log10(|ref| / |ref - x|), inf when equal
 from te_compile.quantization import current_scale, quantize_per_tensor
 from te_compile.recipe import Float8CurrentScaling
 
@@ -179,8 +179,8 @@ def main() -> None:
                             ("dw", ref.weight.grad, te_dw, ao_dw)):
         te, ao = te.float(), ao.float()
         same = "yes" if torch.equal(te, ao) else \
-            f"no, {_sqnr(ao, te):.1f} dB, max |diff| {(te - ao).abs().max().item():.3g}"
-        out.append((name, f"{_sqnr(r, te):.2f}", f"{_sqnr(r, ao):.2f}", same))
+            f"no, {sqnr_db(ao, te):.1f} dB, max |diff| {(te - ao).abs().max().item():.3g}"
+        out.append((name, f"{sqnr_db(r, te):.2f}", f"{sqnr_db(r, ao):.2f}", same))
     print("\nGEMM outputs (te: backend='te', compiled; torchao: Float8Linear, eager, emulate=True), "
           "SQNR vs fp32 in dB:")
     print(tabulate(out, headers=["output", "te", "torchao", "te == torchao"], disable_numparse=True))

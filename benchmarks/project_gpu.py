@@ -91,8 +91,8 @@ from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import te_compile
-from te_compile.cli import _torchao_float8   # the demo's peer conversion
 from te_compile.models import Block
+from te_compile.torchao_peer import torchao_float8   # the demo's peer conversion
 
 from _h100_schedule import Capture, Kernel, fake_module, gpu_trace
 
@@ -155,7 +155,7 @@ class BlockProvider:
 
 
 def _torchao(module: nn.Module, emulate: bool) -> None:
-    _torchao_float8(module, emulate)   # tensorwise, the demo's peer conversion
+    torchao_float8(module, emulate)   # tensorwise, the demo's peer conversion
 
 
 def _te(recipe: str, **options) -> Callable[[], Callable]:

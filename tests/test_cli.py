@@ -1,4 +1,4 @@
-"""The command line (te_compile/cli.py), the demo's model and data.
+"""The command line (te_compile/cli/), the demo's model and data.
 
 Compiles are the cost here (~10 s each), so the compiling tests use aot_eager and small models:
 report on gpt_small (1 compile), report on a module from the current directory (1), the demo on a
@@ -245,7 +245,7 @@ def _site(fqn: str, op: str, rewritten: bool, reason: str, graph: int = 0) -> Si
 
 
 def test_demo_site_counts_per_op_in_first_seen_order_with_reasons():
-    from te_compile.cli import _site_counts
+    from te_compile.cli.common import site_counts
 
     long_reason = "blocks.1.mlp.fc: " + "K=10 not divisible by 16 " * 8
     rep = Report([
@@ -264,7 +264,7 @@ def test_demo_site_counts_per_op_in_first_seen_order_with_reasons():
         ("linear", 1, 4, {"recipe 'none' (override 'lm_head')": 2, long_reason: 1}),
         ("sdpa", 0, 2, {"[rewrite] sdpa = false": 2}),
     ]
-    assert _site_counts(rep) == [
+    assert site_counts(rep) == [
         "te run: 3 of 8 sites rewritten (layer_norm 2/2, linear 1/4, sdpa 0/2)",
         "  linear, 3 sites not rewritten: 2 x recipe 'none' (override 'lm_head'); "
         f"1 x {long_reason[:97]}...",
@@ -273,15 +273,15 @@ def test_demo_site_counts_per_op_in_first_seen_order_with_reasons():
 
 
 def test_demo_site_counts_name_a_few_reasons_per_op():
-    from te_compile.cli import _site_counts
+    from te_compile.cli.common import site_counts
 
     rep = Report([_site(f"fc{i}", "linear", False, f"fc{i}: N={10 + i} not divisible by 16") for i in range(5)])
     assert rep.op_counts() == [("linear", 0, 5, {f"fc{i}: N={10 + i} not divisible by 16": 1 for i in range(5)})]
-    assert _site_counts(rep)[1] == ("  linear, 5 sites not rewritten: 1 x fc0: N=10 not divisible by 16; "
-                                    "1 x fc1: N=11 not divisible by 16; 1 x fc2: N=12 not divisible by 16; "
-                                    "2 more reasons (see --report)")
+    assert site_counts(rep)[1] == ("  linear, 5 sites not rewritten: 1 x fc0: N=10 not divisible by 16; "
+                                   "1 x fc1: N=11 not divisible by 16; 1 x fc2: N=12 not divisible by 16; "
+                                   "2 more reasons (see --report)")
     assert Report().op_counts() == []
-    assert _site_counts(Report()) == [str(Report())]
+    assert site_counts(Report()) == [str(Report())]
 
 
 def test_get_batch_is_deterministic_and_shifted():
@@ -309,7 +309,7 @@ def test_val_split_is_held_out():
 def test_saved_bytes_count_fp8_primary_weights_inner_storages_as_parameters():
     """A wrapper subclass (FP8 primary weights; torchao's weights) has a placeholder storage without a
     data pointer: the measure reads its inner tensors, and still excludes the weights."""
-    from te_compile.cli import _saved_for_backward_bytes
+    from te_compile.memory import saved_for_backward_bytes
     from te_compile.primary_weights import quantized_model_init
     from te_compile.recipe import Float8CurrentScaling
 
@@ -325,7 +325,7 @@ def test_saved_bytes_count_fp8_primary_weights_inner_storages_as_parameters():
     with quantized_model_init(recipe=Float8CurrentScaling()):
         net = Net()
     x, y = torch.randn(16, 64), torch.randn(16, 32)
-    saved = _saved_for_backward_bytes(net, x, y)
+    saved = saved_for_backward_bytes(net, x, y)
     # x (16 x 64 fp32), the eager linear's dequantized weight (32 x 64 fp32) and the loss's [16, 32]
     # activations at most (the measure raised on the weight before)
     assert 16 * 64 * 4 <= saved <= 16 * 64 * 4 + 32 * 64 * 4 + 3 * 16 * 32 * 4, saved

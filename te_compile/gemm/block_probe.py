@@ -26,6 +26,7 @@ from ..hardware import (
     is_mxfp8_available,
     is_nvfp4_available,
 )
+from ..numerics import sqnr_db
 from ..quantization import quantize_copies, quantizer_factory
 from ..recipe import Recipe
 from .block import dequantized_gemm, native_block_gemm, native_pair_supported
@@ -45,12 +46,6 @@ _ARCH_PROBE = {"mxfp8": is_mxfp8_available, "float8_block": is_fp8_block_scaling
                "nvfp4": is_nvfp4_available}
 
 _answers: dict[tuple, tuple[bool, str]] = {}
-
-
-def _sqnr_db(ref: torch.Tensor, got: torch.Tensor) -> float:
-    ref, got = ref.double(), got.double()
-    noise = (ref - got).norm().item()
-    return math.inf if noise == 0 else 20 * math.log10(ref.norm().item() / noise)
 
 
 def _spread(shape, device, dtype, generator) -> torch.Tensor:
@@ -82,7 +77,7 @@ def _self_test(recipe: Recipe, device: torch.device, dtype: torch.dtype) -> floa
     for a, b, how in gemms:
         if native_pair_supported(a, b):   # else the lowering emulates this pair too
             ref = dequantized_gemm(a, b, out_dtype=dtype, **how)
-            sqnrs.append(_sqnr_db(ref, native_block_gemm(a, b, out_dtype=dtype, **how)))
+            sqnrs.append(sqnr_db(ref, native_block_gemm(a, b, out_dtype=dtype, **how)))
     return min(sqnrs, default=math.inf)
 
 
