@@ -1,4 +1,5 @@
-"""What bench_linear.py and bench_block.py share: providers, timing, peaks, table and JSON output.
+"""What the benchmarks share: providers, the one loop that compiles and times each (``run_provider``),
+peaks, table and JSON output.
 
 A provider turns a plain ``nn.Module`` into the callable that is timed:
 - ``inductor``: ``torch.compile`` with inductor in high precision (the baseline; bf16 on CUDA, fp32 on
@@ -257,15 +258,22 @@ def failure_note(e: Exception, limit: int = 120) -> str:
     return f"failed: {type(e).__name__}: {msg[:limit]}"
 
 
-def run_provider(provider: Provider, build: Callable, device: torch.device,
-                 args: argparse.Namespace) -> tuple[Optional[float], Optional[float], str]:
-    """Compile ``build()``'s step with ``provider`` and time it: (first_s, median_s, note)."""
+def run_provider(provider: Provider, build: Callable, device: torch.device, args: argparse.Namespace,
+                 measure: Optional[Callable[[], None]] = None) -> tuple[Optional[float], Optional[float], str]:
+    """Compile ``build(provider.prepare)``'s step and time it: (first_s, median_s, note).
+
+    ``measure``, when given, runs after the timing, under the same guard: a benchmark's own figures of
+    the provider (bytes saved for backward, peak memory), which ``build`` made reachable to it. When
+    it fails, the provider's times are dropped with the failure's note, as when the step fails."""
     if provider.prepare is None:
         return None, None, provider.note
     torch._dynamo.reset()  # every provider and size compiles from scratch, with static shapes
+    te_compile.reset()     # and its report lists the sites of this provider's graphs only
     try:
         step = build(provider.prepare)
         first, median = time_step(step, device, args.iters, args.warmup)
+        if measure is not None:
+            measure()
     except Exception as e:  # one provider failing must not hide the others' results
         return None, None, failure_note(e)
     return first, median, provider.note

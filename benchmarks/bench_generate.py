@@ -112,6 +112,77 @@ def _weight_bytes(model) -> int:
     return sum(n for _, n in {key for p in params for key in storages(p)}) + cached_bytes(params)
 
 
+def _providers(args, device) -> list[_common.Provider]:
+    """inductor, te with the recipe and its variants, torchao's float8 inference: each prepares a
+    freshly loaded model in place (quantizes, compiles its forward) and returns it."""
+    def preparing(name: str):
+        def prepare(model):
+            if name.startswith("torchao"):
+                model = _torchao(model)
+            if name.endswith("fp8-weights"):   # the linears' weights only in FP8, the rest as loaded
+                te_compile.quantize_weights(model, getattr(te_compile.recipe, args.recipe)())
+            _compile(model, name, device, args.compiler)
+            return model
+        return prepare
+
+    names = ["inductor", f"te {args.recipe}", f"te {args.recipe} row", f"te {args.recipe} fp8-kv",
+             f"te {args.recipe} fp8-weights", "torchao float8 (dynamic, rowwise)"]
+    missing = [] if _common.torchao_available() else [name for name in names if name.startswith("torchao")]
+    return [_common.Provider(name, True, None, _common.TORCHAO_MISSING) if name in missing
+            else _common.Provider(name, name != "inductor", preparing(name)) for name in names]
+
+
+def _build_and_measure(name: str, device, dtype, prompt: int, new: int, iters: int,
+                       figures: dict) -> tuple:
+    """(build, measure) for run_provider: the step is the prefill (``generate(ids [1, prompt], 1)``);
+    the measure adds to ``figures`` the decode step's median seconds at batch 1 and 32 (None when the
+    timings' noise exceeds the decode steps' time, too few ``new`` tokens), the weights' bytes and the
+    batch-32 KV cache's."""
+    max_len = prompt + new + 8
+    gen = torch.Generator().manual_seed(1)
+    made = {}
+
+    def build(prepare):
+        model = made["model"] = prepare(_model(device, dtype, max_len))
+        generate, made["caches"] = _generator(model, name, max_len)
+        made["generate"] = generate
+        long = torch.randint(0, model.config.vocab_size, (1, prompt), generator=gen).to(device)
+
+        def step():
+            with torch.no_grad():
+                generate(long, 1)
+        return step
+
+    def measure() -> None:
+        model, generate = made["model"], made["generate"]
+        with torch.no_grad():
+            for batch in (1, 32):
+                short = torch.randint(0, model.config.vocab_size, (batch, 8), generator=gen).to(device)
+                total = _median(lambda: generate(short, new), device, iters)
+                one = _median(lambda: generate(short, 1), device, iters)
+                figures[f"decode{batch}"] = (total - one) / (new - 1) if total > one else None
+        figures["weights"] = _weight_bytes(model)
+        figures["kv"] = kv_cache_bytes(made["caches"][32])
+
+    return build, measure
+
+
+def _row(provider: str, figures: dict, base: dict, prompt: int) -> list[str]:
+    """A measured provider's table row; ratios against ``base`` (inductor's figures), n/a without them."""
+    def ratio(num, den):
+        return f"{num / den:.2f}x" if num is not None and den else "n/a"
+
+    row = [provider, f"{figures['prefill']:.4f}", f"{prompt / figures['prefill']:,.0f}",
+           ratio(base.get("prefill"), figures["prefill"])]
+    for batch in (1, 32):
+        step, ref = figures[f"decode{batch}"], base.get(f"decode{batch}")
+        row += ["n/a", "n/a", "n/a"] if step is None else [
+            f"{1e3 * step:.2f}", f"{batch / step:,.0f}", ratio(ref, step)]
+    return row + [f"{figures['weights'] / 2**20:.1f}", ratio(figures["weights"], base.get("weights")),
+                  f"{figures['kv'] / 2**20:.1f}", ratio(figures["kv"], base.get("kv")),
+                  f"{figures['compile_s']:.1f}", ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -123,6 +194,7 @@ def main() -> None:
     args = parser.parse_args()
     device = _common.resolve_device(args)
     args.iters = min(args.iters, 10 if device.type == "cuda" else 3)
+    args.warmup = 0   # every timing here follows one untimed call only, the prefill's (it compiles) too
     prompt = args.prompt or (2048 if device.type == "cuda" else 256)
     new = args.new or (64 if device.type == "cuda" else 16)
     if new < 2 or prompt < 1:
@@ -130,61 +202,24 @@ def main() -> None:
     dtype = _common.baseline_dtype(device)
     print(f"bench_generate: Llama {SHAPES[device.type]}, {str(dtype).replace('torch.', '')}, static cache; "
           f"{_common.describe_machine(device)}; median of {args.iters}", flush=True)
-    providers = ["inductor", f"te {args.recipe}", f"te {args.recipe} row", f"te {args.recipe} fp8-kv",
-                 f"te {args.recipe} fp8-weights", "torchao float8 (dynamic, rowwise)"]
     rows, base = [], {}
-    for provider in providers:
-        row = [provider]
-        try:
-            if provider.startswith("torchao") and not _common.torchao_available():
-                raise RuntimeError(_common.TORCHAO_MISSING)
-            torch._dynamo.reset()
-            te_compile.reset()
-            max_len = prompt + new + 8
-            model = _model(device, dtype, max_len)
-            if provider.startswith("torchao"):
-                model = _torchao(model)
-            if provider.endswith("fp8-weights"):   # the linears' weights only in FP8, the rest as loaded
-                te_compile.quantize_weights(model, getattr(te_compile.recipe, args.recipe)())
-            _compile(model, provider, device, args.compiler)
-            generate, caches = _generator(model, provider, max_len)
-            gen = torch.Generator().manual_seed(1)
-            long = torch.randint(0, model.config.vocab_size, (1, prompt), generator=gen).to(device)
-            figures = {}
-            with torch.no_grad():
-                # the first call compiles the prefill graph (first call s)
-                figures["compile_s"], figures["prefill"] = _common.time_step(
-                    lambda: generate(long, 1), device, args.iters, warmup=0)
-                for batch in (1, 32):
-                    short = torch.randint(0, model.config.vocab_size, (batch, 8), generator=gen).to(device)
-                    total = _median(lambda: generate(short, new), device, args.iters)
-                    one = _median(lambda: generate(short, 1), device, args.iters)
-                    # None when the timings' noise exceeds the decode steps' time (too few --new tokens)
-                    figures[f"decode{batch}"] = (total - one) / (new - 1) if total > one else None
-            figures["weights"] = _weight_bytes(model)
-            figures["kv"] = kv_cache_bytes(caches[32])
-            if provider == "inductor":
+    for provider in _providers(args, device):
+        figures = {}
+        build, measure = _build_and_measure(provider.name, device, dtype, prompt, new, args.iters, figures)
+        figures["compile_s"], figures["prefill"], note = _common.run_provider(
+            provider, build, device, args, measure)
+        if figures["prefill"] is None:   # a provider that cannot run here keeps its row, with why
+            rows.append([provider.name] + ["n/a"] * 14 + [note])
+        else:
+            if provider.name == "inductor":
                 base = figures
-            row += [f"{figures['prefill']:.4f}", f"{prompt / figures['prefill']:,.0f}",
-                    f"{base['prefill'] / figures['prefill']:.2f}x"]
-            for batch in (1, 32):
-                step, ref = figures[f"decode{batch}"], base.get(f"decode{batch}")
-                row += ["n/a", "n/a", "n/a"] if step is None else [
-                    f"{1e3 * step:.2f}", f"{batch / step:,.0f}", f"{ref / step:.2f}x" if ref else "n/a"]
-            row += [f"{figures['weights'] / 2**20:.1f}", f"{figures['weights'] / base['weights']:.2f}x",
-                    f"{figures['kv'] / 2**20:.1f}", f"{figures['kv'] / base['kv']:.2f}x", f"{figures['compile_s']:.1f}",
-                    ""]
-        except Exception as e:   # a provider that cannot run here keeps its row, with why
-            row += ["n/a"] * 14 + [_common.failure_note(e, limit=90) if not isinstance(e, RuntimeError)
-                                   or str(e) != _common.TORCHAO_MISSING else str(e)]
-        rows.append(row)
-        print(f"  {provider}: done", flush=True)
+            rows.append(_row(provider.name, figures, base, prompt))
+        print(f"  {provider.name}: done", flush=True)
     print(tabulate(rows, headers=["provider", "prefill s", "prefill tok/s", "vs inductor", "decode ms (b1)",
                                   "tok/s (b1)", "vs inductor", "decode ms (b32)", "tok/s (b32)", "vs inductor",
                                   "weights MiB", "vs inductor", "KV MiB (b32)", "vs inductor", "first call s", "note"],
                    disable_numparse=True))
     print(f"\n{_common.precision_note(device)}")
-
 
 if __name__ == "__main__":
     main()

@@ -63,25 +63,52 @@ def _liger() -> Optional[nn.Module]:
     return LigerFusedLinearCrossEntropyLoss()
 
 
-def _providers() -> list[tuple[str, Optional[Callable], str]]:
-    out: list[tuple[str, Optional[Callable], str]] = [
-        ("inductor", lambda m: torch.compile(m, dynamic=False), "torch.compile, unfused")]
+def _providers() -> list[_common.Provider]:
+    out = [_common.Provider("inductor", False, lambda m: torch.compile(m, dynamic=False), "torch.compile, unfused")]
     for recipe in ("none", "Float8CurrentScaling"):
         for fused in (True, False):
             backend = te_compile.backend(recipe=recipe, rewrite={"linear_cross_entropy": fused})
-            out.append((f"te {recipe} {'fused' if fused else 'unfused'}",
-                        lambda m, b=backend: torch.compile(m, backend=b, dynamic=False),
-                        "" if fused else "linear_cross_entropy = false"))
+            out.append(_common.Provider(f"te {recipe} {'fused' if fused else 'unfused'}", recipe != "none",
+                                        lambda m, b=backend: torch.compile(m, backend=b, dynamic=False),
+                                        "" if fused else "linear_cross_entropy = false"))
     liger = _liger()
-    out.append(("Liger fused linear CE", (lambda m: _with_liger(m, liger)) if liger is not None else None,
-                "model calls LigerFusedLinearCrossEntropyLoss" if liger is not None
-                else "liger_kernel not installed"))
+    out.append(_common.Provider("Liger fused linear CE", False,
+                                (lambda m: _with_liger(m, liger)) if liger is not None else None,
+                                "model calls LigerFusedLinearCrossEntropyLoss" if liger is not None
+                                else "liger_kernel not installed"))
     return out
 
 
 def _with_liger(model: Head, liger: nn.Module) -> Head:
     model.liger = liger
     return model
+
+
+def _build_and_measure(base: Head, h: torch.Tensor, labels: torch.Tensor, row: dict,
+                       device: torch.device) -> tuple[Callable, Callable[[], None]]:
+    """(build, measure) for run_provider: the step (forward and backward of a copy of ``base`` on
+    h [tokens, hidden] and labels [tokens]), then its CUDA peak and saved bytes, in MiB, into ``row``."""
+    made = {}
+
+    def build(prepare: Callable) -> Callable[[], None]:
+        model = made["model"] = prepare(_common.fresh_copy(base))
+
+        def step():
+            model(h, labels)[1].backward()
+        made["step"] = step
+        return step
+
+    def measure() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            made["step"]()
+            torch.cuda.synchronize()
+            row["peak"] = (torch.cuda.max_memory_allocated() - before) / 2**20
+        row["saved"] = saved_for_backward_bytes(made["model"], h, labels) / 2**20
+
+    return build, measure
 
 
 def main() -> None:
@@ -101,34 +128,17 @@ def main() -> None:
     h = torch.randn(tokens, hidden, device=device, dtype=dtype, requires_grad=True)
     labels = torch.randint(0, vocab, (tokens,), device=device)
     rows, baseline = [], None
-    for name, prepare, note in _providers():
-        row = {"provider": name, "ms": None, "saved": None, "peak": None, "note": note}
+    for provider in _providers():
+        row = {"provider": provider.name, "ms": None, "saved": None, "peak": None, "note": provider.note}
         rows.append(row)
-        if prepare is None:
-            continue
-        torch._dynamo.reset()
-        te_compile.reset()
-        try:
-            model = prepare(_common.fresh_copy(base))
-
-            def step():
-                model(h, labels)[1].backward()
-            first, median = _common.time_step(step, device, args.iters, args.warmup)
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-                before = torch.cuda.memory_allocated()
-                torch.cuda.reset_peak_memory_stats()
-                step()
-                torch.cuda.synchronize()
-                row["peak"] = (torch.cuda.max_memory_allocated() - before) / 2**20
-            row["saved"] = saved_for_backward_bytes(model, h, labels) / 2**20
-        except Exception as e:   # one provider failing must not hide the others
-            row["note"] = _common.failure_note(e, limit=100)
+        build, measure = _build_and_measure(base, h, labels, row, device)
+        _, median, row["note"] = _common.run_provider(provider, build, device, args, measure)
+        if median is None:
             continue
         row["ms"] = median * 1e3
-        if name == "inductor":
+        if provider.name == "inductor":
             baseline = row
-        print(f"  {name:<32} {median * 1e3:9.2f} ms  saved {row['saved']:9.2f} MiB", flush=True)
+        print(f"  {provider.name:<32} {median * 1e3:9.2f} ms  saved {row['saved']:9.2f} MiB", flush=True)
 
     def ratio(row, key):
         return (f"{row[key] / baseline[key]:.3f}x" if row[key] is not None and baseline and baseline[key]

@@ -104,9 +104,10 @@ def torchao_moe(model: MoELayer) -> MoELayer:
     return model
 
 
-def _providers(device: torch.device, recipes, args) -> list[tuple[str, Callable, str]]:
-    """(name, model -> step callable's model, note)."""
-    out = [("inductor", lambda m: torch.compile(m, dynamic=False), "torch.compile, experts in bf16")]
+def _providers(device: torch.device, recipes, args) -> list[_common.Provider]:
+    """inductor, te with each recipe (and its variants), torchao's MoE training."""
+    out = [_common.Provider("inductor", False, lambda m: torch.compile(m, dynamic=False),
+                            "torch.compile, experts in bf16")]
     for recipe in recipes:
         options = dict(_common.TE_RECIPES.get(recipe, {}), recipe=recipe)
         variants = [(f"te {recipe}", options, "")]
@@ -117,12 +118,14 @@ def _providers(device: torch.device, recipes, args) -> list[tuple[str, Callable,
             variants.append((f"te {recipe} +fp8 act input", dict(options, fp8_activation_input=True),
                              "fp8_activation_input = true"))
         for name, o, note in variants:
-            out.append((name, lambda m, o=o: torch.compile(m, backend=te_compile.backend(**o), dynamic=False), note))
+            out.append(_common.Provider(
+                name, True, lambda m, o=o: torch.compile(m, backend=te_compile.backend(**o), dynamic=False), note))
     if _common.torchao_available():
-        out.append(("torchao MoE float8 rowwise", lambda m: torch.compile(torchao_moe(m), dynamic=False),
-                    "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs); groups padded to 16 rows"))
+        out.append(_common.Provider(
+            "torchao MoE float8 rowwise", True, lambda m: torch.compile(torchao_moe(m), dynamic=False),
+            "rowwise FP8 grouped GEMMs (torch._scaled_grouped_mm, sm90 GPUs); groups padded to 16 rows"))
     else:
-        out.append(("torchao MoE float8 rowwise", None, _common.TORCHAO_MISSING))
+        out.append(_common.Provider("torchao MoE float8 rowwise", True, None, _common.TORCHAO_MISSING))
     return out
 
 
@@ -134,35 +137,36 @@ def _case(name: str, device: torch.device, dtype: torch.dtype, args, recipes) ->
     # three GEMMs of [tokens * k, hidden] x [hidden, ffn] (or back), forward and two backward each
     flops = 6.0 * 3 * tokens * top_k * hidden * ffn
     rows, baseline, baseline_bytes = [], None, None
-    for provider, prepare, note in _providers(device, recipes, args):
-        row = {"shape": name, "provider": provider, "ms": None, "vs inductor": None, "TFLOP/s": None,
-               "first s": None, "saved MiB": None, "saved vs inductor": None, "expert sites": "", "note": note}
+    for provider in _providers(device, recipes, args):
+        row = {"shape": name, "provider": provider.name, "ms": None, "vs inductor": None, "TFLOP/s": None,
+               "first s": None, "saved MiB": None, "saved vs inductor": None, "expert sites": "",
+               "note": provider.note}
         rows.append(row)
-        if prepare is None:
-            continue
-        torch._dynamo.reset()
-        te_compile.reset()
-        try:
-            model = prepare(_common.fresh_copy(base))
+        made = {}
 
-            def step():
-                model(x)[1].backward()
-            first, median = _common.time_step(step, device, args.iters, args.warmup)
-            saved = saved_for_backward_bytes(model, x, None)
-        except Exception as e:   # one provider failing must not hide the others
-            row["note"] = _common.failure_note(e, limit=100)
+        def build(prepare: Callable, made=made) -> Callable[[], None]:
+            model = made["model"] = prepare(_common.fresh_copy(base))
+            return lambda: model(x)[1].backward()
+
+        def measure(made=made) -> None:
+            made["saved"] = saved_for_backward_bytes(made["model"], x, None)
+
+        first, median, row["note"] = _common.run_provider(provider, build, device, args, measure)
+        if median is None:
             continue
-        if provider == "inductor":
+        saved = made["saved"]
+        if provider.name == "inductor":
             baseline, baseline_bytes = median, saved
         sites = [s for s in te_compile.report().sites if s.op == "grouped_linear"]
         row.update({"ms": median * 1e3, "TFLOP/s": flops / median / 1e12, "first s": first,
                     "saved MiB": saved / 2**20,
-                    "expert sites": f"{sum(s.rewritten for s in sites)}/{len(sites)}" if provider.startswith("te")
-                    else ""})
+                    "expert sites": f"{sum(s.rewritten for s in sites)}/{len(sites)}"
+                    if provider.name.startswith("te") else ""})
         if baseline:
             row["vs inductor"] = baseline / median
             row["saved vs inductor"] = saved / baseline_bytes
-        print(f"  {name:>14}  {provider:<28} {median * 1e3:9.2f} ms  saved {saved / 2**20:8.2f} MiB", flush=True)
+        print(f"  {name:>14}  {provider.name:<28} {median * 1e3:9.2f} ms  saved {saved / 2**20:8.2f} MiB",
+              flush=True)
     return rows
 
 
