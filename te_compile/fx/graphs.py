@@ -23,11 +23,10 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 import torch.fx as fx
-from torch.utils._pytree import tree_flatten, tree_map
 
 from .naming import frame_root
 
-__all__ = ["ParamRef", "GraphScope", "graph_scopes", "module_fqn", "insert_call"]
+__all__ = ["ParamRef", "GraphScope", "graph_scopes", "module_fqn"]
 
 # HOPs that call their body exactly once with the operands that follow it, like an inlined call:
 # a rewrite inside the body and extra operands appended after the existing ones are both safe.
@@ -240,20 +239,3 @@ def graph_scopes(gm: fx.GraphModule, example_inputs: Sequence) -> list[GraphScop
         scopes.append(scope)
         stack.extend(reversed(list(_child_scopes(scope))))
     return scopes
-
-
-def insert_call(before: fx.Node, target, args: tuple, method: bool = False) -> fx.Node:
-    """A ``call_function`` (``call_method`` with ``method``) of ``target`` on ``args``, inserted before
-    ``before``, its example value computed on the operands' fake values, as Dynamo records one: the
-    later passes read shapes and dtypes from it."""
-    graph = before.graph
-    with graph.inserting_before(before):
-        node = graph.call_method(target, args) if method else graph.call_function(target, args)
-    values = tree_map(lambda a: a.meta.get("example_value") if isinstance(a, fx.Node) else a, args)
-    # the operands' own mode: the tracing context's may be another one (AOTAutograd's)
-    fake_mode = next((v.fake_mode for v in tree_flatten(values)[0] if hasattr(v, "fake_mode")), None)
-    if fake_mode is not None:
-        with fake_mode:
-            node.meta["example_value"] = (getattr(values[0], target)(*values[1:]) if method else target(*values))
-    return node
-

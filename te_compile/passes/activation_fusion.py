@@ -31,6 +31,7 @@ from ..lowerings.activation_fusion import (ActivationGroupedLinearLowering, Acti
 from ..lowerings.grouped_linear import GroupedLinearLowering
 from ..lowerings.linear import LinearLowering
 from ..report import SiteRecord
+from ..fx.editing import erase_nodes, replace_with_call
 from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import MUL, calls, erased, method_or_name, shape_of, shape_text, squared, written_between
 from .readers import (Reader, Readers, dying, find_readers, linear_name, passes_through, view_inputs,
@@ -157,15 +158,11 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
 
 def _replace(graph: fx.Graph, reader, lowering: ActivationLinearLowering, h: fx.Node, u: Optional[fx.Node]) -> None:
     """The linear call becomes ``lowering(h, u, shape, weight, bias, *delayed)``."""
-    going = dying([reader])
+    going = dying([reader]) - {reader.node}
     with graph.inserting_before(reader.node):
         shape = view_inputs(reader, h, graph)
-        new = graph.call_function(lowering, (h, u, shape, *reader.node.args[1:]))
-    new.meta.update(reader.node.meta)
-    reader.node.replace_all_uses_with(new)
-    order = {n: i for i, n in enumerate(graph.nodes)}
-    for gone in sorted(going, key=order.__getitem__, reverse=True):
-        graph.erase_node(gone)   # the linear, and the casts and views only it read
+    replace_with_call(reader.node, lowering, (h, u, shape, *reader.node.args[1:]))
+    erase_nodes(going)   # the casts and views only the linear read
 
 
 def _elementwise_region(out: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:

@@ -35,6 +35,7 @@ from ..lowerings.attention import AttentionLowering, AttentionSpec, attention_gr
 from ..lowerings.context_parallel_attention import ContextParallelLowering, ContextParallelSpec
 from ..lowerings.kv_cache_attention import KvCacheAttentionLowering, KvCacheAttentionSpec
 from ..state import attention_key_param
+from ..fx.editing import replace_with_call
 from ..fx.graphs import GraphScope, ParamRef, module_fqn
 from ..fx.matching import shape_text, value_of
 from .context import PassContext
@@ -145,15 +146,6 @@ def _delayed_inputs(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str
                                         _amax_groups(ctx, recipe))
 
 
-def _replace(graph: fx.Graph, node: fx.Node, lowering, args: tuple) -> None:
-    """The SDPA call ``node`` becomes ``lowering(*args)``."""
-    with graph.inserting_before(node):
-        new = graph.call_function(lowering, args)
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
-
-
 def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args: dict, recipe,
                       record) -> None:
     """Route an SDPA call to te's context-parallel FP8 attention, or raise: left as SDPA, it would attend
@@ -193,7 +185,7 @@ def _context_parallel(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: s
     record(True, f"context parallel over {group}: {mode}; Q, K, V{', dO' if fp8_backward else ''} {scaling}",
            recipe.name, f"all-gather over {group}: K, V in FP8; reduce-scatter: dK, dV; amax all-reduce (MAX): "
                         f"{'O' if extra else 'Q, K, V, O'}{history}")
-    _replace(scope.graph, node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"], *extra))
+    replace_with_call(node, ContextParallelLowering(spec), (args["query"], args["key"], args["value"], *extra))
 
 
 def _sm_scale(args: dict) -> float:
@@ -216,7 +208,7 @@ def _kv_cache(ctx: PassContext, scope: GraphScope, node: fx.Node, fqn: str, args
                  f"{str(dtype).removeprefix('torch.')} ({why})", recipe.name)
     spec = KvCacheAttentionSpec(fqn, _sm_scale(args), bool(args["is_causal"]))
     operands = kv_cache_operands(scope.graph, node, sources)
-    _replace(scope.graph, node, KvCacheAttentionLowering(spec), (args["query"], *operands, args["attn_mask"]))
+    replace_with_call(node, KvCacheAttentionLowering(spec), (args["query"], *operands, args["attn_mask"]))
     return True
 
 
@@ -265,7 +257,7 @@ def rewrite_attention(ctx: PassContext, scope: GraphScope) -> int:
         mha = "; fp8_mha: see its own row" if recipe.fp8_mha else ""
         record(True, f"{spec.mode()}; Q, K, V, P in E4M3, {spec.scaling()}{unkeyed}{mha} ({why})", recipe.name,
                collectives)
-        _replace(scope.graph, node, AttentionLowering(spec),
-                 (args["query"], args["key"], args["value"], args["attn_mask"], *extra))
+        replace_with_call(node, AttentionLowering(spec),
+                          (args["query"], args["key"], args["value"], args["attn_mask"], *extra))
         count += 1
     return count

@@ -44,6 +44,7 @@ from ..lowerings.attention_inputs import ColumnQuantizeLowering, ColumnQuantizeS
 from ..lowerings.attention import AttentionLowering
 from ..lowerings.linear import LinearLowering
 from ..lowerings.norm_fusion import NormLinearsLowering
+from ..fx.editing import replace_with_call
 from ..fx.graphs import GraphScope
 from ..fx.matching import method_or_name, value_of
 
@@ -301,9 +302,6 @@ def hand_off_inputs(scope: GraphScope, node: fx.Node) -> tuple[fx.Node, bool, st
                 # as the moved y's, in uint8: AOTAutograd's cache reads methods' targets from them
                 env[move].meta["example_value"] = _like(move.meta.get("example_value"), torch.uint8)
             bits.update({role: env[node.args[role]] for role, _, _ in segments})
-        new = graph.call_function(AttentionLowering(dataclasses.replace(spec, fp8_inputs=len(plans))),
-                                  (*node.args, *(bits.get(role) for role in range(3)), *amaxes))
-    new.meta.update(node.meta)
-    node.replace_all_uses_with(new)
-    graph.erase_node(node)
+    new = replace_with_call(node, AttentionLowering(dataclasses.replace(spec, fp8_inputs=len(plans))),
+                            (*node.args, *(bits.get(role) for role in range(3)), *amaxes))
     return new, True, _handed_text(plans, why)

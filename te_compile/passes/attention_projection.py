@@ -21,6 +21,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..lowerings.attention_projection import AttentionProjectionLowering, AttentionProjectionSpec
 from ..lowerings.attention import AttentionLowering
 from ..report import SiteRecord
+from ..fx.editing import erase_nodes, replace_with_call
 from ..fx.graphs import GraphScope
 from ..fx.matching import method_or_name, shape_text, value_of
 from .attention_inputs import hand_off_inputs
@@ -134,15 +135,10 @@ def hand_off_fp8_mha(ctx: PassContext, scope: GraphScope) -> int:
             AttentionProjectionSpec(spec, linear.spec.fqn, linear.spec.recipe, flat), attention, linear,
             len(a_delayed))
         going = dying([reader])
-        with scope.graph.inserting_before(reader.node):
-            new = scope.graph.call_function(fused, (*node.args[:4], *a_delayed, *reader.node.args[1:], *fp8_inputs))
-        new.meta.update(reader.node.meta)
-        reader.node.replace_all_uses_with(new)
-        # the linear, its input chain back to the attention call, and the call itself
         chain = [n for n in _chain(node, reader) if n not in going]
-        order = {n: i for i, n in enumerate(scope.graph.nodes)}
-        for gone in sorted({*going, *chain, node}, key=order.__getitem__, reverse=True):
-            scope.graph.erase_node(gone)
+        replace_with_call(reader.node, fused, (*node.args[:4], *a_delayed, *reader.node.args[1:], *fp8_inputs))
+        # the linear's input chain back to the attention call, and the call itself
+        erase_nodes({*going, *chain, node} - {reader.node})
         count += 1
     return count
 

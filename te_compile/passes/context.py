@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch.fx as fx
 
@@ -98,6 +98,25 @@ class PassContext:
         if recipe is None:
             return f"recipe 'none' ({why})"
         return None
+
+    def admit(self, scope: GraphScope, site: Any, switch: str, recipe: Optional[Recipe], why: str,
+              record: Callable[..., None], why_not_kind: Callable[[Any, Recipe], Optional[str]]) -> bool:
+        """The gate of a site the finders found (``site.unsupported``: the finder's own verdict),
+        asked in this order: the finder's verdict, ``[rewrite] <switch>``, ``why_not_any_site``, then
+        ``why_not_kind(site, recipe)``. False, with the site's row recorded, where one says no."""
+        if site.unsupported is not None:
+            record(False, f"{site.unsupported} (left in high precision)")
+            return False
+        if not getattr(self.config.rewrite, switch):
+            record(False, f"[rewrite] {switch} = false")
+            return False
+        if (alone := self.why_not_any_site(scope, recipe, why)) is not None:
+            record(False, alone)
+            return False
+        if (reason := why_not_kind(site, recipe)) is not None:
+            record(False, reason, recipe.name)
+            return False
+        return True
 
     def records(self) -> list[SiteRecord]:
         return [r for _, r in sorted(self._records, key=lambda kr: kr[0])]

@@ -14,7 +14,8 @@ from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
-from ..fx.graphs import GraphScope, insert_call
+from ..fx.editing import insert_call, replace_node, replace_with_call
+from ..fx.graphs import GraphScope
 from ..fx.matching import shape_text, value_of
 from .context import PassContext
 from .eligibility import divisible
@@ -101,18 +102,7 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
     for site in find_grouped_sites(scope):
         recipe, why = config.recipe_for(site.fqn)
         record = ctx.recorder(scope, site.node, site.fqn, "grouped_linear", _shapes(site))
-        if site.unsupported is not None:
-            record(False, f"{site.unsupported} (left in high precision)")
-            continue
-        if not config.rewrite.grouped_linear:
-            record(False, "[rewrite] grouped_linear = false")
-            continue
-        if (alone := ctx.why_not_any_site(scope, recipe, why)) is not None:
-            record(False, alone)
-            continue
-        reason = _why_not_grouped_linear(site, recipe)
-        if reason is not None:
-            record(False, reason, recipe.name)
+        if not ctx.admit(scope, site, "grouped_linear", recipe, why, record, _why_not_grouped_linear):
             continue
         extra, collectives = [], ""
         if recipe.delayed():
@@ -145,24 +135,21 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             why += "; weight already FP8 per expert (FSDP2's all-gather or an FP8 primary weight), used as is"
         record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)
     for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
-        _replace(scope, site, lowering, extra)
+        _replace(site, lowering, extra)
     return len(planned)
 
 
-def _replace(scope: GraphScope, site: GroupedSite, lowering: GroupedLinearLowering, extra: list) -> None:
+def _replace(site: GroupedSite, lowering: GroupedLinearLowering, extra: list) -> None:
     """The site's call replaced by the lowering's; a batched bmm [E, T, K] runs as E groups of T rows
     (x flattened to [E * T, K], offs None) and its output is unflattened back to [E, T, N]."""
-    x, offs = site.x, site.offs
-    if site.batched:   # offs None: the lowering cuts the rows into E equal groups
-        x = insert_call(site.node, "flatten", (site.x, 0, 1), method=True)
-    with scope.graph.inserting_before(site.node):
-        new = scope.graph.call_function(lowering, (x, site.weight, offs, *extra))
-    new.meta.update(site.node.meta)
-    out = new
-    if site.batched:
-        with value_of(site.node).fake_mode:
-            new.meta["example_value"] = value_of(site.node).flatten(0, 1)
-        out = insert_call(site.node, "unflatten", (new, 0, (value_of(site.x).shape[0], -1)), method=True)
-        out.meta.update({k: v for k, v in site.node.meta.items() if k != "example_value"})
-    site.node.replace_all_uses_with(out)
-    scope.graph.erase_node(site.node)
+    if not site.batched:
+        replace_with_call(site.node, lowering, (site.x, site.weight, site.offs, *extra))
+        return
+    # offs None: the lowering cuts the rows into E equal groups
+    x = insert_call(site.node, "flatten", (site.x, 0, 1), method=True)
+    new = insert_call(site.node, lowering, (x, site.weight, site.offs, *extra), like=site.node)
+    with value_of(site.node).fake_mode:
+        new.meta["example_value"] = value_of(site.node).flatten(0, 1)
+    out = insert_call(site.node, "unflatten", (new, 0, (value_of(site.x).shape[0], -1)), method=True)
+    out.meta.update({k: v for k, v in site.node.meta.items() if k != "example_value"})
+    replace_node(site.node, out)

@@ -4,7 +4,8 @@ saying why not."""
 from __future__ import annotations
 
 import operator
-from typing import Optional
+from dataclasses import dataclass
+from typing import Optional, Union
 
 import torch.fx as fx
 
@@ -17,7 +18,8 @@ from ..lowerings.sharded_linear import plan_linear_sharding
 from ..quantization import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
-from ..fx.graphs import GraphScope, insert_call
+from ..fx.editing import insert_call, replace_with_call
+from ..fx.graphs import GraphScope
 from .eligibility import shape_str, why_not_linear
 from .inference_weights import cached_weight
 from .sites import LinearSite, find_linear_sites
@@ -89,23 +91,6 @@ def _expert_inputs(site: LinearSite, extra: list) -> list:
     return [carrier, *(insert_call(site.node, operator.getitem, (scale, slice(e, e + 1))) for scale in scales)]
 
 
-def _replace(graph: fx.Graph, site: LinearSite, lowering: LinearLowering, extra: list,
-             cached: Optional[fx.Node] = None, x: Optional[fx.Node] = None, absorbed: Optional[fx.Node] = None) -> None:
-    """``cached``: the inference graph's FP8 copy of the weight, read instead of the weight; ``x``: the
-    input read instead of the site's (async TP: the sequence-sharded one); ``absorbed``: the
-    redistribute of the output the lowering now does itself (async TP's reduce-scatter)."""
-    with graph.inserting_before(site.node):
-        new = graph.call_function(lowering, (site.x if x is None else x, site.weight if cached is None else cached,
-                                             site.bias, *extra))
-    new.meta.update(site.node.meta)
-    site.node.replace_all_uses_with(new)
-    graph.erase_node(site.node)
-    if absorbed is not None:
-        new.meta["example_value"] = absorbed.meta["example_value"]
-        absorbed.replace_all_uses_with(new)
-        graph.erase_node(absorbed)
-
-
 def _async_tp_collectives(site: LinearSite, form, history: str = "") -> str:
     """The report's collectives for an async-TP site; ``history``: DelayedScaling's history reduction
     (its amaxes are not all-reduced at the site)."""
@@ -118,89 +103,139 @@ def _async_tp_collectives(site: LinearSite, form, history: str = "") -> str:
     return f"{amaxes}; reduce-scatter over {group}: y; all-gather over {group}: grad_output in FP8"
 
 
+@dataclass
+class _Plan:
+    """One eligible site: its lowering and what the lowering's call reads, and its report row."""
+
+    site: LinearSite
+    lowering: LinearLowering
+    extra: list                        # DelayedScaling's carrier and scales, after x, w, b
+    cached: Optional[fx.Node]          # the inference graph's FP8 copy of the weight, read instead of it
+    x: Optional[fx.Node]               # the input read instead of the site's (async TP: the sequence-sharded one)
+    absorbed: Optional[fx.Node]        # the redistribute of the output the lowering does itself (async TP)
+    reason: str
+    collectives: str
+
+
 def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
     """Rewrite the eligible linear sites of ``scope``; one report row per site found."""
-    config = ctx.config
     planned = []
     for site in find_linear_sites(scope):
-        recipe, why = config.recipe_for(site.fqn)
+        recipe, why = ctx.config.recipe_for(site.fqn)
         # one expert's matrix of a 3-D weight in a per-expert loop: an MoE experts site
         op = "linear" if site.expert is None else "grouped_linear"
         record = ctx.recorder(scope, site.node, site.fqn, op, shape_str(site))
-        if site.unsupported is not None:
-            record(False, f"{site.unsupported} (left in high precision)")
+        if not ctx.admit(scope, site, "linear", recipe, why, record, why_not_linear):
             continue
-        if not config.rewrite.linear:
-            record(False, "[rewrite] linear = false")
+        plan = _plan(ctx, scope, site, recipe, why)
+        if isinstance(plan, str):   # DelayedScaling's state refused the site
+            record(False, plan, recipe.name)
             continue
-        if (alone := ctx.why_not_any_site(scope, recipe, why)) is not None:
-            record(False, alone)
-            continue
-        reason = why_not_linear(site, recipe)
-        if reason is not None:
-            record(False, reason, recipe.name)
-            continue
-        plain_groups, delayed_groups, collectives = _amax_reductions(ctx, site, recipe)
-        extra = []
-        if recipe.delayed():
-            extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, _backward_follows(site),
-                                            delayed_groups)
-            if isinstance(extra, str):
-                record(False, extra, recipe.name)
-                continue
-            if site.expert is not None:
-                extra = _expert_inputs(site, extra)
-        why += ctx.local_shard_note(site.param)
-        weight_value = local_value(site.weight.meta.get("example_value"))   # a DTensor's: its TP shard
-        if isinstance(weight_value, QuantizedTensor):
-            # FSDP2's FP8 all-gather (te_compile.fsdp) or an FP8 primary weight (primary_weights.py)
-            why += ("; weight already quantized, used as is" if weight_is_operand(weight_value, recipe)
-                    else f"; weight is a {type(weight_value).__name__} of another format: dequantized first")
-        native, gemm_why = _gemm_path(site, recipe, config)
-        cached = None if plain_groups != NO_GROUPS else cached_weight(ctx, scope, site, recipe)
-        if cached is not None:
-            why += "; weight quantized once, cached across calls until it changes (inference graph)"
-        # the cached copy is [N, K] whatever the parameter's layout
-        in_out = site.weight_in_out and cached is None
-        rowwise = (ctx.inference and recipe.per_tensor and config.inference.activation_scaling == "row"
-                   and plain_groups == NO_GROUPS and not is_dtensor(site.weight.meta.get("example_value")))
-        if rowwise:
-            why += "; one input scale per token (inference, activation_scaling = row)"
-        form = x_node = absorbed = None
-        if async_tp_enabled(config) and is_dtensor(site.weight.meta.get("example_value")):
-            form, x_node, absorbed, note = async_tp_form(site, recipe)
-            why += f"; {note}" if note else ""
-            if form is not None:
-                collectives = _async_tp_collectives(site, form, collectives if recipe.delayed() else "")
-        spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise, form)
-        planned.append((site, LinearLowering(spec), extra, cached, x_node, absorbed))
-        device = getattr(site.weight.meta.get("example_value"), "device", None)
-        what = site.op_name if site.expert is None else \
-            f"{site.op_name} on expert {site.expert} of {site.param.name} (a per-expert loop; that expert's scales)"
-        record(True, f"{what} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})", recipe.name, collectives)
-    grouped = column_groups(planned)
-    for members in grouped:
-        _replace_group(scope.graph, [planned[i] for i in members])
-    done = {i for members in grouped for i in members}
-    # Consumers first: rewriting a site erases its node, which a later site's x may still name
-    # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
-    for i, (site, lowering, extra, cached, x_node, absorbed) in reversed(list(enumerate(planned))):
-        if i not in done:
-            _replace(scope.graph, site, lowering, extra, cached, x_node, absorbed)
+        planned.append(plan)
+        record(True, plan.reason, recipe.name, plan.collectives)
+    _rewrite(scope, planned)
     return len(planned)
 
 
-def _replace_group(graph: fx.Graph, entries: list) -> None:
+def _plan(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe, why: str) -> Union[_Plan, str]:
+    """The lowering of an eligible site and its report row, in steps: amax reductions across ranks,
+    DelayedScaling's state, the weight as it arrives, the GEMM path, the inference forms, async TP.
+    A str: why DelayedScaling's state cannot be kept for it."""
+    plain_groups, delayed_groups, collectives = _amax_reductions(ctx, site, recipe)
+    extra = _delayed_inputs(ctx, scope, site, recipe, delayed_groups)
+    if isinstance(extra, str):
+        return extra
+    why += ctx.local_shard_note(site.param) + _weight_note(site, recipe)
+    native, gemm_why = _gemm_path(site, recipe, ctx.config)
+    cached, rowwise, note = _inference_forms(ctx, scope, site, recipe, plain_groups)
+    why += note
+    form = x = absorbed = None
+    if async_tp_enabled(ctx.config) and is_dtensor(site.weight.meta.get("example_value")):
+        form, x, absorbed, note = async_tp_form(site, recipe)
+        why += f"; {note}" if note else ""
+        if form is not None:
+            collectives = _async_tp_collectives(site, form, collectives if recipe.delayed() else "")
+    # the cached copy is [N, K] whatever the parameter's layout
+    in_out = site.weight_in_out and cached is None
+    spec = LinearSpec(site.fqn, recipe, in_out, native, site.weight_first, plain_groups, rowwise, form)
+    device = getattr(site.weight.meta.get("example_value"), "device", None)
+    what = site.op_name if site.expert is None else \
+        f"{site.op_name} on expert {site.expert} of {site.param.name} (a per-expert loop; that expert's scales)"
+    reason = f"{what} -> {gemm_kind(recipe, native, gemm_why, device)} ({why})"
+    return _Plan(site, LinearLowering(spec), extra, cached, x, absorbed, reason, collectives)
+
+
+def _delayed_inputs(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe, groups: tuple) -> Union[list, str]:
+    """DelayedScaling's extra operands of the site (none for other recipes), or why it has none."""
+    if not recipe.delayed():
+        return []
+    extra = ctx.delayed.site_inputs(scope, site.param, recipe, site.fqn, _backward_follows(site), groups)
+    if isinstance(extra, str) or site.expert is None:
+        return extra
+    return _expert_inputs(site, extra)
+
+
+def _weight_note(site: LinearSite, recipe) -> str:
+    """For the report, when the weight arrives quantized: FSDP2's FP8 all-gather (te_compile.fsdp) or an
+    FP8 primary weight (primary_weights.py); else ""."""
+    weight_value = local_value(site.weight.meta.get("example_value"))   # a DTensor's: its TP shard
+    if not isinstance(weight_value, QuantizedTensor):
+        return ""
+    if weight_is_operand(weight_value, recipe):
+        return "; weight already quantized, used as is"
+    return f"; weight is a {type(weight_value).__name__} of another format: dequantized first"
+
+
+def _inference_forms(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe,
+                     plain_groups: tuple) -> tuple[Optional[fx.Node], bool, str]:
+    """(the cached FP8 weight read instead of the weight, or None; one input scale per token?; the
+    report's note): what an inference graph does differently (inference_weights.py)."""
+    note = ""
+    cached = None if plain_groups != NO_GROUPS else cached_weight(ctx, scope, site, recipe)
+    if cached is not None:
+        note += "; weight quantized once, cached across calls until it changes (inference graph)"
+    rowwise = (ctx.inference and recipe.per_tensor and ctx.config.inference.activation_scaling == "row"
+               and plain_groups == NO_GROUPS and not is_dtensor(site.weight.meta.get("example_value")))
+    if rowwise:
+        note += "; one input scale per token (inference, activation_scaling = row)"
+    return cached, rowwise, note
+
+
+def _rewrite(scope: GraphScope, planned: list[_Plan]) -> None:
+    """Replace the planned sites by their lowerings' calls: the async-TP column groups first, each as
+    one call (async_tp.column_groups says which), then every other site on its own."""
+    grouped = column_groups([(p.site, p.lowering, p.extra, p.cached, p.x, p.absorbed) for p in planned])
+    for members in grouped:
+        _replace_group([planned[i] for i in members])
+    done = {i for members in grouped for i in members}
+    # Consumers first: rewriting a site erases its node, which a later site's x may still name
+    # (one linear feeding the next); replace_all_uses_with then updates the consumer's new call.
+    for i, plan in reversed(list(enumerate(planned))):
+        if i not in done:
+            _replace(plan)
+
+
+def _replace(plan: _Plan) -> None:
+    """The site's call replaced by its lowering's, reading the cached weight and async TP's x where the
+    plan has them."""
+    site = plan.site
+    x = site.x if plan.x is None else plan.x
+    new = replace_with_call(site.node, plan.lowering,
+                            (x, site.weight if plan.cached is None else plan.cached, site.bias, *plan.extra))
+    if plan.absorbed is not None:   # the lowering's output takes the redistributed placement itself
+        new.meta["example_value"] = plan.absorbed.meta["example_value"]
+        plan.absorbed.replace_all_uses_with(new)
+        plan.absorbed.graph.erase_node(plan.absorbed)
+
+
+def _replace_group(plans: list[_Plan]) -> None:
     """Column-parallel async-TP sites reading one x become one call, before the first of them, each
-    site's node a getitem of it (async_tp.column_groups says which)."""
-    sites = [entry[0] for entry in entries]
-    lowering = AsyncTpColumnGroupLowering(tuple(entry[1].spec for entry in entries))
+    site's node a getitem of it."""
+    sites = [plan.site for plan in plans]
+    lowering = AsyncTpColumnGroupLowering(tuple(plan.lowering.spec for plan in plans))
+    graph = sites[0].node.graph
     with graph.inserting_before(sites[0].node):
-        call = graph.call_function(lowering, (entries[0][4], *(s.weight for s in sites), *(s.bias for s in sites)))
+        call = graph.call_function(lowering, (plans[0].x, *(s.weight for s in sites), *(s.bias for s in sites)))
     call.meta["example_value"] = tuple(s.node.meta.get("example_value") for s in sites)
     for i, site in enumerate(sites):
-        with graph.inserting_before(site.node):
-            item = graph.call_function(operator.getitem, (call, i))
-        item.meta.update(site.node.meta)
-        site.node.replace_all_uses_with(item)
-        graph.erase_node(site.node)
+        replace_with_call(site.node, operator.getitem, (call, i))

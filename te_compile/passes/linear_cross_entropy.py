@@ -33,6 +33,7 @@ from ..lowerings.linear import LinearLowering
 from ..lowerings.linear_cross_entropy import (LinearCrossEntropyLowering, LinearCrossEntropySpec, chunk_rows,
                                               size_hint)
 from ..lowerings.vocab_parallel import plan_vocab_parallel
+from ..fx.editing import insert_call, replace_node
 from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import CASTS, MUL, calls, method_or_name, shape_of, value_of, written_between
 from .context import PassContext
@@ -298,15 +299,12 @@ def _replace(graph: fx.Graph, loss: fx.Node, path: _Path, lowering: LinearCrossE
             else:
                 x = graph.call_method("reshape", (x, -1, value_of(operands[0]).shape[-1]))
         call = graph.call_function(lowering, (x, *rest), kwargs)
-        new_loss = graph.call_function(operator.getitem, (call, 0))
-        logits = graph.call_function(operator.getitem, (call, 1)) if path.exposed is not None else None
-    new_loss.meta.update(loss.meta)
-    loss.replace_all_uses_with(new_loss)
-    if logits is not None:
-        logits.meta.update(path.exposed.meta)
+    new_loss = insert_call(loss, operator.getitem, (call, 0), like=loss)
+    if path.exposed is not None:
+        logits = insert_call(loss, operator.getitem, (call, 1), like=path.exposed)
         for user in [u for u in path.exposed.users if u.op == "output"]:
             user.replace_input_with(path.exposed, logits)
-    graph.erase_node(loss)
+    replace_node(loss, new_loss)
     for gone in [*path.chain, path.layer]:   # from the loss's input back to the layer
         if not gone.users:
             graph.erase_node(gone)

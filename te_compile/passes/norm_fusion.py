@@ -28,6 +28,7 @@ from ..lowerings.linear import autocast_dtype
 from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering
 from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord
+from ..fx.editing import erase_nodes, insert_call, replace_node
 from ..fx.graphs import GraphScope
 from ..fx.matching import dtype_of, method_or_name, shape_text, value_of, written_between
 from .norm_sites import NormSite, find_norm_sites
@@ -229,16 +230,14 @@ def _fuse(scope: GraphScope, site: NormSite, chosen: list[Reader], left: list[tu
         shapes = [view_inputs(r, site.x, graph) for r in chosen]
         consumers = [tuple(r.node.args[1:]) for r in chosen]
         fused = graph.call_function(lowering, (site.x, site.weight, site.bias, shapes, consumers))
-        outs = [graph.call_function(operator.getitem, (fused, i)) for i in range(len(chosen) + emit_hp)]
     fused.meta.update({k: v for k, v in site.node.meta.items() if k != "example_value"})
+    # one output per fused linear, then the norm's own output where high-precision readers need it
+    stands_for = [r.node for r in chosen] + ([site.node] if emit_hp else [])
+    outs = [insert_call(anchor, operator.getitem, (fused, i), like=node) for i, node in enumerate(stands_for)]
     for r, out in zip(chosen, outs):
-        out.meta.update(r.node.meta)
-        r.node.replace_all_uses_with(out)
-        graph.erase_node(r.node)
-    for node in sorted(going - {r.node for r in chosen}, key=order.__getitem__, reverse=True):
-        graph.erase_node(node)   # the casts and views only the fused linears read
+        replace_node(r.node, out)
+    erase_nodes(going - {r.node for r in chosen})   # the casts and views only the fused linears read
     if emit_hp:
-        outs[-1].meta.update(site.node.meta)
         site.node.replace_all_uses_with(outs[-1])
     text = "fused into " + ", ".join(linear_name(r) for r in chosen)
     if left:
