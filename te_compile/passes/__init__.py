@@ -1,8 +1,9 @@
 """FX graph rewrites: ``run_passes`` applies ``PASSES`` in order to every graph of a Dynamo capture.
 
 The pass order, what each pass hands the next and why: README.md beside this file. The driver knows
-no site kind: it runs each pass over each graph, lets the recipe state collected on the way wire
-itself in, and cleans up (dead code, stable lowering names for AOTAutograd's cache, lint, recompile).
+no site kind and works out no setting (settings.py resolves them first): it runs each pass over each
+graph, lets the recipe state collected on the way wire itself in, and cleans up (dead code, stable
+lowering names for AOTAutograd's cache, lint, recompile).
 """
 
 from __future__ import annotations
@@ -13,9 +14,7 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..config import ConfigError, TeConfig
-from ..distributed import graph_mesh, resolve_amax_group, resolve_context_parallel
-from ..pipeline import choose_update_on, confine_to_stage, current_stage
+from ..config import TeConfig
 from ..report import SiteRecord
 from ..fx.cache_names import publish_lowerings
 from ..fx.graphs import GraphScope, graph_scopes
@@ -29,6 +28,7 @@ from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
 from .attention_projection import hand_off_fp8_mha
 from .norm_fusion import fuse_norms
+from .settings import resolve_settings
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
@@ -68,37 +68,12 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
                graph_id: int = 0) -> PassResult:
     """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
     seen and the extra inputs the rewritten graph takes."""
-    inference = not torch.is_grad_enabled()   # Dynamo guards on the grad mode: training has its own graph
-    if inference:
-        config = config.for_inference()
-    setting = config.distributed
-    mesh = setting.mesh if setting.mesh is not None else graph_mesh(example_inputs)
-    stage = current_stage()   # a PipelineStage calling this module: no amax group may cross its stages
-    # its schedule keeps micro-batches in flight: DelayedScaling's "auto" state update waits for the
-    # optimizer step (an inference graph has no backward and no update)
-    config, update_chosen, update_note = (config, (), "") if inference else choose_update_on(config, stage)
-
-    def resolve(key: str):
-        try:
-            spec = getattr(setting, key)
-            return confine_to_stage(key, spec, resolve_amax_group(spec, mesh, setting.pipeline_dims), mesh, stage)
-        except ValueError as e:   # "amax_group: <problem>"
-            raise ConfigError(f"{config.source}: distributed.{key}:{str(e).partition(':')[2]}") from None
-
-    amax_group, amax_note = resolve("amax_group")
-    same = isinstance(setting.expert_amax_group, str) and setting.expert_amax_group == "same"
-    expert_group = amax_group if same else resolve("expert_amax_group")[0]
-    try:
-        context_parallel = resolve_context_parallel(setting.context_parallel, mesh, setting.pipeline_dims)
-    except ValueError as e:
-        raise ConfigError(f"{config.source}: distributed.{e}") from None
+    settings = resolve_settings(config, example_inputs)
     scopes = graph_scopes(gm, example_inputs)
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
     effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
-    ctx = PassContext(config, graph_id, DelayedState(scopes[0], example_inputs, inference), amax_group, expert_group,
-                      inference=inference, context_parallel=context_parallel, amax_note=amax_note,
-                      update_chosen=update_chosen, update_note=update_note)
+    ctx = PassContext.for_graph(settings, graph_id, DelayedState(scopes[0], example_inputs, settings.inference))
     counts = {}
     for rewrite in PASSES:
         counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)
@@ -114,5 +89,5 @@ def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     top = scopes[0]
     anchor = min(top.params.values(), key=lambda p: p.index, default=None)
     instances = None if anchor is None else FrameInstances(
-        config, records, top.prefix, anchor.index, anchor.name[len(top.prefix):])
+        settings.config, records, top.prefix, anchor.index, anchor.name[len(top.prefix):])
     return PassResult(records, extra_inputs, counts, instances, cacheable)

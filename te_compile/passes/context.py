@@ -13,6 +13,7 @@ from ..recipe import Recipe
 from ..report import SiteRecord
 from ..fx.graphs import GraphScope, ParamRef
 from .delayed_state import DelayedState
+from .settings import PassSettings
 
 __all__ = ["PassContext"]
 
@@ -40,6 +41,14 @@ class PassContext:
     update_chosen: tuple[Recipe, ...] = ()
     update_note: str = ""
     _records: list[tuple[tuple[float, ...], SiteRecord]] = field(default_factory=list)
+
+    @classmethod
+    def for_graph(cls, settings: PassSettings, graph_id: int, delayed: DelayedState) -> PassContext:
+        """The context of one graph's passes, from the settings resolved for it (settings.py)."""
+        return cls(settings.config, graph_id, delayed, settings.amax_group, settings.expert_amax_group,
+                   inference=settings.inference, context_parallel=settings.context_parallel,
+                   amax_note=settings.amax_note, update_chosen=settings.update_chosen,
+                   update_note=settings.update_note)
 
     def record(self, scope: GraphScope, node: fx.Node, record: SiteRecord) -> None:
         """Report a site (call before rewriting ``node``): rows come out in the order the model runs."""
