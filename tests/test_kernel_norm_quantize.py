@@ -184,6 +184,24 @@ def test_empty_rows():
         assert d.shape == (0, 32) and dt.shape == (32, 0)
 
 
+def test_a_nan_counts_as_inf_in_the_amax():
+    """A NaN in the normalised output gives amax inf (scale 1), eagerly, under inductor (whose max
+    reduction propagates the NaN to the one value mapped) and in the Triton kernel (which maps each
+    element: its max may drop NaNs)."""
+    spec, x, w, b = _operands("ln", (37, 300), torch.float32, seed(8))
+    w = w.clone()
+    w[5] = float("nan")   # column 5 of every row
+    eager = norm_stats_reference(x, w, b, spec)[2]
+    compiled = torch.compile(norm_stats_reference, backend="inductor", fullgraph=True)(x, w, b, spec)[2]
+    assert eager.item() == float("inf") and compiled.item() == float("inf")
+    w[5] = 1.0
+    finite = norm_stats_reference(x, w, b, spec)[2]
+    assert torch.isfinite(finite).all() and finite.item() > 0
+    if HAS_TRITON:
+        w[5] = float("nan")
+        assert _norm_stats_triton(x, w, b, spec)[2].item() == float("inf")
+
+
 @needs_triton
 @pytest.mark.parametrize("with_weight", [True, False], ids=["weight", "no_weight"])
 def test_custom_ops_launch_the_kernels(with_weight):
