@@ -4,7 +4,7 @@ pass fuses, checked on the graph.
 One process plays rank 0 of 2 over torch's fake process group (collectives return without moving
 data), so the graphs are those of a real TP world; the pass's test mode stands in for symmetric
 memory, and the fused ops run through torch's own fallbacks (registered here for the CPU: their
-kernels are CUDA's). The numbers on real collectives are test_distributed.py's (gloo, 2 ranks).
+kernels are CUDA's). The numbers on real collectives are test_tensor_parallel.py's (gloo, 2 ranks).
 """
 
 from __future__ import annotations

@@ -212,6 +212,56 @@ def run_ranks(fn, tmp_path, *args, world: int = 2) -> list:
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 
+class RankPatch:
+    """The one monkeypatch method AotGraphs needs, for use inside a spawned rank (no pytest fixture there)."""
+
+    def setattr(self, obj, name, value):
+        setattr(obj, name, value)
+
+
+def max_all_reduces(gm: torch.fx.GraphModule) -> int:
+    """All-reduce nodes with MAX (amax reductions; DTensor's and DDP's own collectives sum)."""
+    all_reduce = torch.ops._c10d_functional.all_reduce.default
+    return sum(1 for n in gm.graph.nodes if n.op == "call_function" and n.target is all_reduce
+               and n.args[1] == "max")
+
+
+def full_tensor(t):
+    """A DTensor gathered whole; a plain tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def recipe_state(model) -> dict:
+    """A copy of ``te_compile.recipe_state_dict(model)`` (the live tensors keep changing)."""
+    import te_compile
+
+    return {k: v.clone() for k, v in te_compile.recipe_state_dict(model).items()}
+
+
+class DistMLP(torch.nn.Module):
+    """up [64, 32], down [32, 64] for the DDP and tensor-parallel tests. ``norm``: a LayerNorm first
+    (the sequence-parallel plan's); ``attn``: causal self-attention (2 heads, q = k = v) over the hidden
+    activations."""
+
+    def __init__(self, d: int = 32, hidden: int = 64, norm: bool = False, attn: bool = False) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(d) if norm else torch.nn.Identity()
+        self.up = torch.nn.Linear(d, hidden)
+        self.down = torch.nn.Linear(hidden, d)
+        self.attn = attn
+
+    def forward(self, x):   # x [B, T, d]
+        h = self.up(self.norm(x))
+        if self.attn:
+            b, t, hidden = h.shape
+            heads = h.view(b, t, 2, hidden // 2).transpose(1, 2)
+            h = torch.nn.functional.scaled_dot_product_attention(heads, heads, heads, is_causal=True)
+            h = h.transpose(1, 2).reshape(b, t, hidden)
+        return self.down(torch.relu(h))
+
+
 # Where the Triton launchers run in the kernel tests: on a CUDA machine the kernels compile for the
 # GPU (conftest sets TRITON_INTERPRET only without one), so CPU-built operands must move there.
 KERNEL_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
