@@ -167,7 +167,9 @@ def test_dynamic_shapes_one_graph_for_all_lengths():
     te_compile.reset()
     counters.clear()
     torch.manual_seed(0)
-    model = TinyGPT()
+    # one block: a second, identical one adds its sites' symbolic shapes again and a quarter of the
+    # test's CPU time (a 1% output error in attn.proj still reads 37-40 dB against the 60 dB asked)
+    model = TinyGPT(n_layer=1)
     compiled = torch.compile(model, backend="te", options={"compiler": "aot_eager"}, dynamic=True,
                              fullgraph=True)
     # T below block_size (16): T == 16 would equal the position table's size and be specialized.
@@ -177,7 +179,7 @@ def test_dynamic_shapes_one_graph_for_all_lengths():
             ref = model(idx)
         assert_sqnr_at_least(ref, compiled(idx), 60.0, f"logits at B={b}, T={t}")
     report = te_compile.report()
-    assert len([s for s in report.rewritten if s.op == "linear"]) == 2 * LINEARS_PER_BLOCK + 1
+    assert len([s for s in report.rewritten if s.op == "linear"]) == LINEARS_PER_BLOCK + 1
     assert all("s" in s.shapes.split("]")[0] for s in report.sites), [s.shapes for s in report.sites]
     assert counters["stats"]["unique_graphs"] == 1
 
