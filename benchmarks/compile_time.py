@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import glob
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -103,6 +105,7 @@ def _child(args: argparse.Namespace) -> None:
         sync()
 
     # from the torch.compile call: backend="inductor" imports inductor there, te at its first graph
+    cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t1 = time.perf_counter()
     if args.provider.startswith(_TORCHAO):
         model = _common.torchao_convert(model, args.provider[len(_TORCHAO):], device)
@@ -112,8 +115,13 @@ def _child(args: argparse.Namespace) -> None:
         compiled = torch.compile(model, backend=backend)
     step(compiled, *batches[0])
     first_step_s = time.perf_counter() - t1
+    cpu1 = resource.getrusage(resource.RUSAGE_SELF)
     aot = counters["aot_autograd"]
+    # what this provider's cache holds: the C++ kernel modules built so far (each a compiler run)
+    cpp = glob.glob(os.path.join(os.environ.get("TORCHINDUCTOR_CACHE_DIR", ""), "**", "*.main.cpp"), recursive=True)
     result = {"import_s": import_s, "first_step_s": first_step_s,
+              "first_step_cpu_s": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
+              "cpp_modules": len(cpp), "cpp_lines": sum(open(f).read().count("\n") for f in cpp),
               "aot": {k: aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")},
               "fxgraph": {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")}}
     step(compiled, *batches[1])   # untimed: anything the second call still sets up
@@ -217,6 +225,24 @@ def main() -> None:
     print(tabulate(rows, headers=["provider", "cold s", "vs inductor", "warm s", "vs inductor", "tokens/s",
                                   "vs inductor", "warm AOTAutograd cache", "import s", "note"],
                    disable_numparse=True))
+    cold = {label: [r[0] for r in runs] for label, runs in results.items()}
+    if args.device == "cpu":
+        _print_compile_work(cold, tabulate)
+
+
+def _print_compile_work(cold: dict[str, list[dict]], tabulate) -> None:
+    """The cold step's work in counts that move less with the machine's load than its seconds: the
+    measuring process's CPU seconds (Dynamo, AOTAutograd, inductor's Python; the C++ compiler runs in
+    worker processes) and the C++ kernel modules inductor built, with their lines."""
+    def med(label, key):
+        return statistics.median(r[key] for r in cold[label])
+
+    base = med("inductor", "first_step_cpu_s")
+    rows = [(label, f"{med(label, 'first_step_cpu_s'):.1f}", f"{med(label, 'first_step_cpu_s') / base:.2f}x",
+             f"{med(label, 'cpp_modules'):.0f}", f"{med(label, 'cpp_lines'):,.0f}") for label in cold]
+    print("\nthe cold first step's compile work (medians over the rounds)")
+    print(tabulate(rows, headers=["provider", "CPU s, measuring process", "vs inductor", "C++ modules",
+                                  "C++ lines"], disable_numparse=True))
 
 
 if __name__ == "__main__":
