@@ -1,9 +1,12 @@
 """Hugging Face MoE models (transformers, random init, tiny configs) train under te with every expert
 GEMM rewritten: Mixtral, Qwen3-MoE, OLMoE, DeepSeek-V3 and GPT-OSS through transformers' grouped_mm
 (bf16) or its fallback op (fp32), Llama 4 through its batched bmm. 30 AdamW steps on learnable
-sequences, final loss against the same model in high precision (eager; te under aot_eager)."""
+sequences, final loss against the same model in high precision (eager; te under aot_eager). The
+high-precision runs are shared by the cases that train the same model in the same dtype."""
 
 from __future__ import annotations
+
+import functools
 
 import pytest
 import torch
@@ -88,6 +91,13 @@ def train_moe(name: str, dtype: torch.dtype, te: bool, recipe: str = "Float8Curr
     return losses, te_compile.report() if te else None
 
 
+@functools.lru_cache(maxsize=None)
+def _high_precision(name: str, dtype: torch.dtype, intermediate: int = 48) -> tuple[float, ...]:
+    """The eager run's losses, computed once per model, dtype and (Mixtral's) intermediate size."""
+    build = functools.partial(_mixtral, intermediate) if name == "mixtral" else None
+    return tuple(train_moe(name, dtype, te=False, build=build)[0])
+
+
 # every model in bf16 (transformers' grouped_mm, Llama 4's bmm); in fp32, where transformers routes the
 # experts through its fallback op, Mixtral, DeepSeek-V3 (a shared expert beside the routed ones),
 # GPT-OSS (biases, interleaved gate/up) and Llama 4 (its bmm in fp32)
@@ -98,7 +108,7 @@ CASES = [(name, torch.bfloat16) for name in MODELS] + [(name, torch.float32) for
 @pytest.mark.slow
 @pytest.mark.parametrize("name, dtype", CASES, ids=lambda v: {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(v, v))
 def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
-    high, _ = train_moe(name, dtype, te=False)
+    high = _high_precision(name, dtype)
     low, report = train_moe(name, dtype, te=True)
     experts = [s for s in report.sites if s.op == "grouped_linear"]
     assert len(experts) == MODELS[name][1] and all(s.rewritten for s in experts), str(report)
@@ -115,7 +125,7 @@ def test_moe_model_trains_with_every_expert_gemm_rewritten(name, dtype):
 def test_mixtral_trains_under_the_block_recipes(recipe):
     def build():
         return _mixtral(intermediate=64)   # MXFP8 needs K and N % 32 == 0
-    high, _ = train_moe("mixtral", torch.bfloat16, te=False, build=build)
+    high = _high_precision("mixtral", torch.bfloat16, 64)
     low, report = train_moe("mixtral", torch.bfloat16, te=True, recipe=recipe, build=build)
     experts = [s for s in report.sites if s.op == "grouped_linear"]
     assert len(experts) == 4 and all(s.rewritten and "per expert, emulated GEMMs" in s.reason for s in experts), \
@@ -126,11 +136,10 @@ def test_mixtral_trains_under_the_block_recipes(recipe):
     assert abs(final_low - final_high) <= tolerance * final_high, f"{final_low:.4f} vs {final_high:.4f}"
 
 
-
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
 def test_mixtral_trains_with_its_swiglu_inputs_saved_in_fp8(recipe):
-    high, _ = train_moe("mixtral", torch.bfloat16, te=False)
+    high = _high_precision("mixtral", torch.bfloat16)
     low, report = train_moe("mixtral", torch.bfloat16, te=True, recipe=recipe,
                          recipe_options={"fp8_activation_input": True})
     swiglus = [s for s in report.sites if s.op == "swiglu" and "experts" in s.fqn]
