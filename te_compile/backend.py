@@ -6,7 +6,6 @@ import logging
 import os
 from typing import Callable, Optional, Sequence, Union
 
-import torch
 import torch.fx as fx
 from torch._dynamo.exc import ShortenTraceback
 from torch._guards import detect_fake_mode
@@ -51,25 +50,12 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     from torch._inductor.compile_fx import compile_fx
 
     patches = list_mode_options(mode) if mode else {}
-    if _on_cpu(example_inputs):
-        # Inductor's C++ backend writes every run of nodes between two extern calls (the GEMMs) as
-        # one kernel, a C++ module to build. reorder_for_locality moves each node to just before its
-        # first reader, which splits a site's backward into one kernel per GEMM; without it the
-        # operands te widens together for dgrad and wgrad (gemm.per_tensor.fp8_gemms) stay one
-        # kernel: 2 fewer modules to build for nanoGPT's model. CUDA graphs are left as they are.
-        patches["reorder_for_locality"] = False
     if async_tp:
         patches["_micro_pipeline_tp"] = True
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}
     return compile_fx(gm, example_inputs, config_patches=patches)
-
-
-def _on_cpu(example_inputs: Sequence) -> bool:
-    """Every tensor input of the graph is on the CPU (and there is one)."""
-    devices = {t.device.type for t in example_inputs if isinstance(t, torch.Tensor)}
-    return devices == {"cpu"}
 
 
 def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:

@@ -291,16 +291,15 @@ def test_reduce_overhead_mode_is_accepted_and_forwarded_to_inductor(monkeypatch)
         compiled = torch.compile(copy.deepcopy(base), backend="te", mode=mode)
         losses[mode] = _run(compiled, idx, targets)[0]
         assert any(s.op == "linear" for s in te_compile.report().rewritten)
-    # the default mode patches only the lowerings' cache names in (test_compile_cache.py) and, on the
-    # CPU, reorder_for_locality off (backend.py says why); reduce-overhead adds its own (compile_fx then
-    # recurses without the patches: those calls are left out)
+    # the default mode patches only the lowerings' cache names in (test_compile_cache.py); reduce-overhead
+    # adds its own (compile_fx then recurses without the patches: those calls are left out)
     patches = [p for p in patches if p]
     assert len(patches) == 2, patches
     names = patches[0].pop("unsafe_marked_cacheable_functions")
     assert names and all(n.startswith("te_compile.fx.cache_names.te_") for n in names), names
-    assert patches[0] == {"reorder_for_locality": False}, patches
+    assert patches[0] == {}, patches
     assert patches[1].pop("unsafe_marked_cacheable_functions") == names
-    assert patches[1] == {"triton.cudagraphs": True, "reorder_for_locality": False}, patches
+    assert patches[1] == {"triton.cudagraphs": True}, patches
     assert_sqnr_at_least(losses[None], losses["reduce-overhead"], 60.0, "loss")
 
 

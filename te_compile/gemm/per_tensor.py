@@ -20,7 +20,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "fp8_gemms", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
+__all__ = ["fp8_gemm", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +127,6 @@ def fp8_gemm(
         # traced, partitioned and lowered at every compile)
         return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU
     return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
-
-
-def fp8_gemms(*gemms: tuple) -> list[torch.Tensor]:
-    """``fp8_gemm(*args)`` for each ``args`` of ``gemms``, every operand ready before the first GEMM.
-
-    On the CPU emulation each GEMM's operands are widened to fp32 by a pointwise op in front of it;
-    inductor's C++ backend puts every run of such ops between two extern calls into one kernel
-    (one C++ module to build), so widening the operands of a site's dgrad and wgrad together gives
-    one kernel where one per GEMM would be two. Elsewhere the GEMMs run in order, as fp8_gemm.
-    """
-    if not gemms or not (gemms[0][0].device.type == "cpu" and (not uses_native_fp8_gemm(gemms[0][0].device)
-                                                             or cpu_emulates_scaled_mm())):
-        return [fp8_gemm(*args[:4], out_dtype=args[4]) for args in gemms]
-    wide = [(_row_major(a.to(torch.float32) * sa), _row_major(b.to(torch.float32) * sb), out)
-            for a, b, sa, sb, out in gemms]
-    return [(a32 @ b32).to(out) for a32, b32, out in wide]
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from ..distributed import reduce_amaxes
-from ..gemm.per_tensor import column_major, fp8_gemm, fp8_gemms
+from ..gemm.per_tensor import column_major, fp8_gemm
 from ..quantization import quantize_per_tensor, weight_is_operand
 from ..scaling import tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor
@@ -76,14 +76,10 @@ def fp8_dgrad_wgrad(grad_y, recipe, wq, w_sinv, x_sinv, x_colmajor, *, dx_dtype,
     """
     gq, g_sinv, g_amax = quantize_per_tensor(grad_y, "grad_output", recipe, g_scale, g_amax)
     gq = gq.contiguous()
-    gemms = []
-    if dx_dtype is not None:
-        gemms.append((gq, column_major(wq), g_sinv, w_sinv, dx_dtype))
+    dx = None if dx_dtype is None else fp8_gemm(gq, column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype)
+    dw = None
     if x_colmajor is not None:
-        gemms.append((gq.t().contiguous(), x_colmajor(), g_sinv, x_sinv, dw_dtype))
-    out = iter(fp8_gemms(*gemms))
-    dx = None if dx_dtype is None else next(out)
-    dw = None if x_colmajor is None else next(out)
+        dw = fp8_gemm(gq.t().contiguous(), x_colmajor(), g_sinv, x_sinv, out_dtype=dw_dtype)
     return dx, dw, g_amax
 
 
