@@ -1,10 +1,8 @@
 """Context-parallel FP8 attention: the sequence split load-balanced over the cp ranks, K and V
 exchanged in FP8 and scaled with the whole sequence's amaxes, so each rank's bytes are one process's.
 
-The multi-process tests share one spawned world of 2 CPU processes over gloo (a free port, one
-thread each, aot_eager so a compile costs seconds); the workers save what they measured with
-torch.save and the test process asserts on it, so a failure shows as an ordinary assertion with
-both ranks' values.
+The multi-process tests share one world of 2 gloo ranks (``utils.run_ranks``), compiled with
+aot_eager so that a compile costs seconds.
 """
 
 from __future__ import annotations
@@ -16,10 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import te_compile
-from utils import run_ranks, sqnr
+from utils import needs_gloo, run_ranks, sqnr
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 

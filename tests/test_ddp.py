@@ -1,10 +1,8 @@
 """DDP + DelayedScaling: amax histories reduced once per graph and step across data-parallel ranks;
 the [distributed] config and its group arithmetic.
 
-The multi-process tests share one spawned world of 2 CPU processes over gloo (a free port, one
-thread each, aot_eager so a compile costs seconds); the workers save what they measured with
-torch.save and the test process asserts on it, so a failure shows as an ordinary assertion with
-both ranks' values.
+The multi-process tests share one world of 2 gloo ranks (``utils.run_ranks``), compiled with
+aot_eager so that a compile costs seconds.
 """
 
 from __future__ import annotations
@@ -16,10 +14,9 @@ import torch.distributed as dist
 import te_compile
 from te_compile.config import ConfigError, DistributedConfig, config_from_dict
 from te_compile.distributed import AmaxGroup, minimal_groups
-from utils import DistMLP, RankPatch, funcol_all_reduces, max_all_reduces, recipe_state, run_ranks
+from utils import DistMLP, RankPatch, funcol_all_reduces, max_all_reduces, needs_gloo, recipe_state, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 

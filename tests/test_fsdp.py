@@ -25,10 +25,9 @@ from te_compile.fsdp import Fp8AllGatherWeight, _ScaleBook, _Slot, enable_fp8_al
 from te_compile.recipe import Float8CurrentScaling
 from te_compile.scaling import cast_to_fp8, compute_scale
 from te_compile.tensor import Float8Tensor
-from utils import assert_bitwise_equal, run_ranks
+from utils import assert_bitwise_equal, needs_gloo, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 3
 # 3 steps: the second and third gather weights an optimizer step moved (scales refreshed from new

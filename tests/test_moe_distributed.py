@@ -14,10 +14,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import te_compile
-from utils import run_ranks
+from utils import needs_gloo, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 # 2 steps: the second routes other token counts per expert (the dynamic-shape graph), quantizes with

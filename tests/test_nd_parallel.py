@@ -23,10 +23,9 @@ import torch.nn as nn
 
 import te_compile
 from te_compile.config import ConfigError
-from utils import run_ranks
+from utils import needs_gloo, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 4
 # 2 steps: the second is the first to quantize with a delayed-scaling history (every delayed scale is

@@ -19,10 +19,9 @@ import torch.nn as nn
 
 import te_compile
 from te_compile.config import ConfigError
-from utils import funcol_all_reduces, run_ranks
+from utils import funcol_all_reduces, needs_gloo, run_ranks
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 STEPS = 3

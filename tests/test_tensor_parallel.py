@@ -1,10 +1,8 @@
 """Tensor and sequence parallel: amax reductions over the tp ranks for DTensor shards (parallelize_module
 plans, async TP's own FP8 collectives, inductor), and for plain tensors sharded by hand.
 
-The multi-process tests share one spawned world of 2 CPU processes over gloo (a free port, one
-thread each, aot_eager so a compile costs seconds, inductor for the case about its code generation);
-the workers save what they measured with torch.save and the test process asserts on it, so a failure
-shows as an ordinary assertion with both ranks' values.
+The multi-process tests share one world of 2 gloo ranks (``utils.run_ranks``), compiled with
+aot_eager so that a compile costs seconds, and with inductor for the case about its code generation.
 """
 
 from __future__ import annotations
@@ -17,10 +15,9 @@ import torch.nn as nn
 import te_compile
 from te_compile.config import ConfigError
 from utils import (DistMLP, RankPatch, full_tensor, funcol_all_reduces, max_all_reduces, recipe_state,
-                   run_ranks)
+                   needs_gloo, run_ranks)
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 

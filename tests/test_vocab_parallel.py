@@ -1,25 +1,21 @@
 """Vocab-parallel output layer and loss (ColwiseParallel output layer, loss_parallel): the fused FP8
 linear + cross-entropy on each rank's vocab shard, reducing per-token values and never the logits.
 
-The multi-process tests share one spawned world of 2 CPU processes over gloo (a free port, one
-thread each, aot_eager so a compile costs seconds); the workers save what they measured with
-torch.save and the test process asserts on it, so a failure shows as an ordinary assertion with
-both ranks' values.
+The multi-process tests share one world of 2 gloo ranks (``utils.run_ranks``), compiled with
+aot_eager so that a compile costs seconds.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 import te_compile
-from utils import RankPatch, full_tensor, recipe_state, run_ranks, sqnr
+from utils import RankPatch, full_tensor, needs_gloo, recipe_state, run_ranks, sqnr
 
-pytestmark = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
-                                reason="needs torch.distributed with gloo")
+pytestmark = needs_gloo
 
 WORLD = 2
 

@@ -7,7 +7,9 @@ import math
 import random
 from typing import Optional
 
+import pytest
 import torch
+import torch.distributed as dist
 
 FLT_MAX = torch.finfo(torch.float32).max
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
@@ -203,9 +205,15 @@ def _rank_entry(rank: int, world: int, port: int, fn, out_dir: str, args) -> Non
         dist.destroy_process_group()
 
 
+# the mark of every test module whose tests spawn gloo ranks (run_ranks)
+needs_gloo = pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(),
+                                reason="needs torch.distributed with gloo")
+
+
 def run_ranks(fn, tmp_path, *args, world: int = 2) -> list:
     """``fn(rank, *args)`` on each of ``world`` gloo ranks (one thread each, a free port); the list
-    of what each returned (saved with torch.save, so the test process asserts on plain values)."""
+    of what each returned (saved with torch.save, so the test process asserts on plain values and a
+    failure shows as an ordinary assertion with every rank's values)."""
     import torch.multiprocessing as mp
 
     mp.spawn(_rank_entry, args=(world, _free_port(), fn, str(tmp_path), args), nprocs=world, join=True)
