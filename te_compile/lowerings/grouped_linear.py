@@ -211,7 +211,7 @@ class GroupedLinearLowering:
         problem = spec.recipe.grouped_gemm_problem()
         if problem is not None:
             raise ValueError(f"grouped GEMMs cannot run under {spec.recipe.name}: {problem}")
-        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        self.spec = spec   # all the lowering holds: fx/cache_names.py names it after a digest of it
         self.__name__ = f"te_grouped_linear_{spec.recipe.name}"
         self.__qualname__ = self.__name__
         self.__module__ = __name__

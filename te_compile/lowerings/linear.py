@@ -83,7 +83,7 @@ class LinearLowering:
     def __init__(self, spec: LinearSpec) -> None:
         if not spec.recipe.per_tensor:
             quantizer_factory(spec.recipe)   # a recipe with neither path fails here, naming itself
-        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        self.spec = spec   # all the lowering holds: fx/cache_names.py names it after a digest of it
         # FX codegen names the call after these.
         self.__name__ = f"te_linear_{spec.recipe.name}"
         self.__qualname__ = self.__name__

@@ -394,7 +394,7 @@ class LinearCrossEntropyLowering:
             raise ValueError(f"the fused output layer takes a per-tensor recipe or None, got {spec.recipe.name}")
         if spec.norm is not None and spec.recipe is None:
             raise ValueError("a norm is fused into the output layer under a per-tensor FP8 recipe only")
-        self.spec = spec   # all the lowering holds: passes/cache_names.py names it after a digest of it
+        self.spec = spec   # all the lowering holds: fx/cache_names.py names it after a digest of it
         # under autocast: the loss in fp32, as autocast runs log_softmax / cross_entropy (the cast's
         # backward hands dz back in the layer's dtype, as autograd does); a fused norm runs unfused
         upcast = spec.steps + (("cast", torch.float32),)
