@@ -31,8 +31,8 @@ off CUDA; shown as not installed without the ``bench`` extra).
 from __future__ import annotations
 
 import argparse
-import json
 import glob
+import json
 import os
 import resource
 import statistics
