@@ -201,7 +201,10 @@ def bench_kernel(fn: Callable[[], object], *, graph: bool = False, device: Optio
 
 
 def _is_device_event(evt) -> bool:
-    """A kernel, memcpy or memset that ran on the GPU (not a CPU op or a runtime call)."""
+    """A kernel, memcpy or memset that ran on the GPU (not a CPU op, a runtime call, or a record_function
+    range such as ``Optimizer.step#AdamW.step``, which the profiler puts on the GPU's timeline too)."""
+    if getattr(evt, "is_user_annotation", False):
+        return False
     device_type = getattr(evt, "device_type", None)
     return device_type is not None and device_type.name in ("CUDA", "PrivateUse1", "XPU", "MTIA")
 

@@ -60,9 +60,16 @@ _ORIGINAL_ATEN = re.compile(r"Original ATen: \[([^\]]*)\]")
 _FUSED_NAME = re.compile(r"^(?:triton_[a-z]+_|cpp_)fused_(.+?)_\d+$")
 
 
+# inductor's pointwise and reduction kernels (a template, triton_tem_, is a GEMM): their names list the ops
+# they fused from, so `_scaled_mm` in one means it reads a GEMM's output, never that it runs one
+_FUSED_NOT_GEMM = re.compile(r"^(?:triton_(?:poi|red|per)_|cpp_fused)")
+
+
 def classify(name: str) -> str:
     low = name.lower()
     for label, pattern in CLASSES:
+        if label == "gemm" and _FUSED_NOT_GEMM.match(low):
+            continue
         if pattern.search(low):
             return label
     return "other"
@@ -110,7 +117,8 @@ def load(out_dir: str) -> dict:
     path = os.path.join(out_dir, "kernels.csv")
     if os.path.exists(path):
         with open(path, newline="") as f:
-            kernels = [r for r in csv.DictReader(f) if r.get("kernel") and r.get("per_step_us")]
+            kernels = _without_annotations([r for r in csv.DictReader(f)
+                                            if r.get("kernel") and r.get("per_step_us")])
     timings = []
     path = os.path.join(out_dir, "timings.tsv")
     if os.path.exists(path):
@@ -120,6 +128,28 @@ def load(out_dir: str) -> dict:
             "code": _read_tar(os.path.join(out_dir, "inductor_code.tar.gz")),
             "ncu": _read_tar(os.path.join(out_dir, "ncu.tar.gz")),
             "logs": _read_tar(os.path.join(out_dir, "logs.tar.gz"))}
+
+
+# record_function ranges the profiler also reports on the GPU's timeline (`Optimizer.step#AdamW.step` spans
+# the optimizer's kernels): not kernels, and counted again if summed with them
+_ANNOTATION = re.compile(r"^(?:Optimizer\.\w+#|ProfilerStep#)")
+
+
+def _without_annotations(kernels: list[dict]) -> list[dict]:
+    """kernels.csv rows less the annotation ranges that files written before _record dropped them hold,
+    with each step's kernel sum (step_sum_us) lowered by what they added."""
+    dropped: dict[tuple, float] = defaultdict(float)
+    kept = []
+    for r in kernels:
+        if _ANNOTATION.match(r["kernel"]):
+            dropped[(r.get("part"), r.get("provider"), r.get("shape"), r.get("run"))] += float(r["per_step_us"])
+        else:
+            kept.append(r)
+    for r in kept:
+        extra = dropped.get((r.get("part"), r.get("provider"), r.get("shape"), r.get("run")))
+        if extra and r.get("step_sum_us"):
+            r["step_sum_us"] = str(round(float(r["step_sum_us"]) - extra, 3))
+    return kept
 
 
 def latest_rows(rows: list[dict]) -> list[dict]:

@@ -125,6 +125,29 @@ def test_code_index_reads_fusion_and_bytes():
     assert found is entry
 
 
+@pytest.mark.parametrize("name, label", [
+    ("nvjet_sm90_qqtst_144x128_128x6_1x2_h_bz_coopA_algo2_TNN", "gemm"),
+    ("triton_tem_fused__scaled_mm_3", "gemm"),
+    # named after the GEMM whose output it reads: an amax and cast, not a GEMM
+    ("triton_per_fused__scaled_mm__to_copy_abs_amax_clamp_div_21", "fp8 bookkeeping"),
+    ("triton_poi_fused_addmm_gelu_4", "other"),
+    ("cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma_f16_knob_7", "attention"),
+])
+def test_classify_keeps_fused_kernels_out_of_gemm(name, label):
+    assert lease_report.classify(name) == label
+
+
+def test_load_drops_annotation_ranges_and_their_share_of_the_step_sum(tmp_path):
+    cols = ["part", "provider", "shape", "kernel", "per_step_us", "step_sum_us", "run"]
+    rows = [["step", "bf16", "s", "Optimizer.step#AdamW.step", "22000", "171000", "r"],
+            ["step", "bf16", "s", "multi_tensor_apply_kernel", "21900", "171000", "r"],
+            ["step", "bf16", "s", "nvjet_sm90_tst_256x128", "127100", "171000", "r"]]
+    (tmp_path / "kernels.csv").write_text("\n".join(",".join(r) for r in [cols] + rows) + "\n")
+    kernels = lease_report.load(str(tmp_path))["kernels"]
+    assert [k["kernel"] for k in kernels] == ["multi_tensor_apply_kernel", "nvjet_sm90_tst_256x128"]
+    assert {float(k["step_sum_us"]) for k in kernels} == {149000.0}
+
+
 def test_parse_ncu_csv_skips_the_targets_output():
     [launch] = lease_report.parse_ncu_csv(NCU_CSV)
     assert launch["kernel"] == "triton_red_fused__to_copy_amax_mul_0"
