@@ -6,6 +6,7 @@
                                                            # process per provider (all in one with --dry)
     python benchmarks/lease_parts.py smoke    --work W     # a Hugging Face Llama trains under te vs bf16
     python benchmarks/lease_parts.py ncu      --work W     # Nsight Compute on te's slowest Triton kernels
+                                                           # of the step, on the step's cache
     python benchmarks/lease_parts.py tests    --work W -- PYTEST_ARGS
     python benchmarks/lease_parts.py package  --work W --out OUT   # the 8 files, summary.txt printed
 
@@ -22,6 +23,7 @@ import csv
 import glob
 import gzip
 import json
+import math
 import os
 import re
 import shutil
@@ -58,8 +60,16 @@ PART_PROVIDERS = {
     # the quantize and norm kernels: one process, its cases are small
     "kernels": ("bench_quantize.py", (), (), ()),
 }
-# the MoE shapes per provider process, in value order
+# the MoE shapes per provider process, in value order: each shape's rows are written as it finishes, so a
+# process stopped during the small experts keeps its Mixtral rows, and the second shape costs a compile
+# (~6-15 s on an H100) where a process of its own would cost the ~10 s startup on top
 MOE_SHAPES = {"gpu": ("mixtral", "small experts"), "dry": ("mixtral",)}
+# the least time a provider's process is started with, by part. Measured on an H100 (lease 2026-11-27):
+# imports and model build 9-12 s, the first step's compile 14-34 s, the timed steps and profile ~8 s, so a
+# process given ~20 s is stopped while compiling. moe runs both shapes in one process (bf16 ~48 s, te ~60 s).
+# --dry runs all providers in one process at tiny shapes and needs DRY_PROCESS_MIN_SECONDS.
+PROCESS_MIN_SECONDS = {"block": 50, "moe": 55, "attention": 50, "kernels": 30}
+DRY_PROCESS_MIN_SECONDS = 10
 
 # Llama 3 8B's linears at 8192 tokens (bench_step.py's model): name, in_features, out_features
 STEP_LINEARS = (("qkv", 4096, 6144), ("o", 4096, 4096), ("gate", 4096, 14336), ("down", 14336, 4096),
@@ -73,6 +83,8 @@ NCU_SECTIONS = ("SpeedOfLight", "MemoryWorkloadAnalysis", "Occupancy", "LaunchSt
 # the per-reason stall counters behind WarpStateStats' chart (not printed by --page details otherwise)
 NCU_STALL_METRICS = r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio"
 NCU_KERNELS = 6                      # te's slowest Triton kernels profiled
+NCU_PARTS = ("step", "block")        # whose te profile names them, first found (ncu_target runs it again)
+NCU_MAX_LAUNCHES = 64                # one step's launches of them, at most (each costs ~0.5 s of replay)
 # Triton kernels: inductor's (triton_poi_fused_add_0) and te's own (_norm_quantize_kernel)
 _TRITON_NAME = re.compile(r"^(triton_\w+|_\w+_kernel\w*)$")
 
@@ -278,19 +290,25 @@ def part_bench(args, paths) -> int:
         groups = [list(dry_providers)] if dry_providers else [[]]
     else:
         groups = [[p] for p in gpu_providers] or [[]]
+    need = DRY_PROCESS_MIN_SECONDS if args.dry else PROCESS_MIN_SECONDS[args.name]
     deadline = time.monotonic() + args.budget
     worst = 0
     for i, providers in enumerate(groups):
-        # a fair share of what is left, so one provider that hangs cannot starve the ones after it
-        share = (deadline - time.monotonic()) / (len(groups) - i)
-        if share < 10:
-            print(f"bench {args.name}: no time left for {providers}", flush=True)
+        left = deadline - time.monotonic()
+        # a process started with less than it needs dies while compiling and measures nothing: skip it,
+        # and give each one what is left less the minimum kept back for each later one that can still
+        # have it, so a provider that hangs cannot starve the rest and time one leaves over goes on
+        later = min(len(groups) - i - 1, max(0, int(left // need) - 1))
+        limit = left - later * need
+        if limit < need:
+            print(f"bench {args.name}: no time left for {providers} ({left:.0f} s left, a process needs "
+                  f"{need:.0f} s)", flush=True)
             worst = worst or 124
             continue
         cmd = common + (["--providers", *providers] if providers else [])
         print(f"bench {args.name}: {' '.join(repr(c) if ' ' in c else c for c in cmd[1:])} "
-              f"(at most {share:.0f} s)", flush=True)
-        rc = _run(cmd, share)
+              f"(at most {limit:.0f} s)", flush=True)
+        rc = _run(cmd, limit)
         worst = worst or rc
     return worst
 
@@ -402,52 +420,76 @@ def _find_ncu() -> Optional[str]:
     return None
 
 
-def slowest_te_kernels(kernels_csv: str, count: int = NCU_KERNELS) -> tuple[str, list[str]]:
-    """(part, names) of te Float8CurrentScaling's slowest Triton kernels per step in the block part's
-    profile, which ncu's target (bench_block.py) launches again: Triton kernels are named as
-    identifiers, which ncu's -k matches as profiled; cuBLAS's templated names are left to the profile."""
-    if not os.path.exists(kernels_csv):
-        return "block", []
-    with open(kernels_csv, newline="") as f:
-        rows = list(csv.DictReader(f))
-    for part in ("block",):
+def slowest_te_kernels(kernels_csv: str, count: int = NCU_KERNELS) -> tuple[str, list[str], int]:
+    """(part, names, launches): te Float8CurrentScaling's slowest Triton kernels per step in the step
+    part's profile (else the block part's), whose code ncu's target runs again, and how many launches of
+    them one step makes (the profile's calls per step). Triton kernels are named as identifiers, which
+    ncu's -k matches as profiled; cuBLAS's templated names are left to the profile."""
+    rows = []
+    if os.path.exists(kernels_csv):
+        with open(kernels_csv, newline="") as f:
+            rows = list(csv.DictReader(f))
+    for part in NCU_PARTS:
         picked = [r for r in rows if r["part"] == part and r["provider"] == "te Float8CurrentScaling"
                   and _TRITON_NAME.match(r["kernel"])]
-        if picked:
-            latest = max(r.get("run", "") for r in picked)
-            picked = [r for r in picked if r.get("run", "") == latest]
-            picked.sort(key=lambda r: -float(r["per_step_us"]))
-            names = []
-            for r in picked:
-                if r["kernel"] not in names:
-                    names.append(r["kernel"])
-            return part, names[:count]
-    return "block", []
+        if not picked:
+            continue
+        latest = max(r.get("run", "") for r in picked)
+        picked = [r for r in picked if r.get("run", "") == latest]
+        picked.sort(key=lambda r: -float(r["per_step_us"]))
+        per_step: dict[str, int] = {}
+        for r in picked:
+            if r["kernel"] not in per_step and len(per_step) < count:
+                per_step[r["kernel"]] = max(1, math.ceil(float(r.get("calls_per_step") or 1)))
+        return part, list(per_step), min(NCU_MAX_LAUNCHES, sum(per_step.values()))
+    return "block", [], 0
 
 
-def ncu_command(ncu: str, names: list[str], target: list[str], stall_metrics: bool = True) -> list[str]:
-    """ncu over the kernels launched inside the target's NVTX range 'lease_ncu' (one step after
-    warm-up: the compile's autotuning launches share the kernels' names), at the card's own clocks."""
-    cmd = [ncu, "--clock-control", "none", "--nvtx", "--nvtx-include", "lease_ncu/"]
+def ncu_command(ncu: str, names: list[str], target: list[str], stall_metrics: bool = True,
+                nvtx_range: Optional[str] = "lease_ncu", launches: int = 0) -> list[str]:
+    """ncu at the card's own clocks over ``launches`` launches of the named kernels (3 each by default),
+    inside the target's NVTX range ``nvtx_range`` where it has one (the block target's one step after
+    warm-up, since a cold compile's autotuning launches share the kernels' names)."""
+    cmd = [ncu, "--clock-control", "none"]
+    if nvtx_range:
+        cmd += ["--nvtx", "--nvtx-include", f"{nvtx_range}/"]
     for section in NCU_SECTIONS:
         cmd += ["--section", section]
     if stall_metrics:
         cmd += ["--metrics", NCU_STALL_METRICS]
     if names:
-        cmd += ["-k", "regex:^(" + "|".join(re.escape(n) for n in names) + ")$", "-c", str(3 * len(names))]
+        cmd += ["-k", "regex:^(" + "|".join(re.escape(n) for n in names) + ")$",
+                "-c", str(launches or 3 * len(names))]
     else:
         cmd += ["-c", str(2 * NCU_KERNELS)]
     return cmd + ["--csv", "--page", "details"] + target
 
 
+def ncu_target(part: str, paths: dict) -> tuple[list[str], Optional[str]]:
+    """(command, NVTX range) of the process ncu profiles. The step's: bench_step.py's te process pointed
+    at the step part's cache (code/step/te_Float8CurrentScaling), so its compile is an FX graph and
+    Triton cache hit with no autotuning launches (te's dry step compiled by inductor on the CPU: a
+    104 s first step, 26 s on the warm cache) rather than a compile under ncu, which took the whole
+    70 s part on the first lease; one timed step, no profile. Its rows stay in ncu/."""
+    rows = os.path.join(paths["ncu"], "target_rows.jsonl")
+    if part == "step":
+        scratch = os.path.join(os.path.dirname(paths["ncu"]), "ncu_target")   # not packaged
+        os.makedirs(scratch, exist_ok=True)
+        return ([sys.executable, os.path.join(HERE, "bench_step.py"), "--providers", "te Float8CurrentScaling",
+                 "--code-dir", os.path.join(paths["code"], "step"), "--warmup", "1", "--iters", "1",
+                 "--profile-steps", "0", "--jsonl", rows, "--kernels-csv", os.path.join(scratch, "kernels.csv"),
+                 "--trace-dir", scratch], None)
+    return ([sys.executable, os.path.join(HERE, "bench_block.py"), "--providers", "te Float8CurrentScaling",
+             "--ncu-target", "--code-dir", paths["code"], "--jsonl", rows], "lease_ncu")
+
+
 def part_ncu(args, paths) -> int:
-    part, names = slowest_te_kernels(paths["kernels"])
-    target = [sys.executable, os.path.join(HERE, "bench_block.py"), "--providers", "te Float8CurrentScaling",
-              "--ncu-target", "--code-dir", paths["code"], "--jsonl", os.path.join(paths["ncu"], "target_rows.jsonl")]
+    part, names, launches = slowest_te_kernels(paths["kernels"])
+    target, nvtx_range = ncu_target(part, paths)
     ncu = _find_ncu()
     out_csv = os.path.join(paths["ncu"], f"ncu_{part}_te_Float8CurrentScaling.csv")
     commands = os.path.join(paths["ncu"], "commands.txt")
-    cmd = ncu_command(ncu or "ncu", names, target)
+    cmd = ncu_command(ncu or "ncu", names, target, nvtx_range=nvtx_range, launches=launches)
     with open(commands, "a") as f:
         f.write(" ".join(repr(c) if (" " in c or "|" in c) else c for c in cmd) + f" > {out_csv}\n")
     print(f"ncu: {part} part, te Float8CurrentScaling, kernels: {names or 'the first of the step'}", flush=True)
@@ -459,7 +501,7 @@ def part_ncu(args, paths) -> int:
         return 0
     rc = 1
     for stall in (True, False):   # an ncu that refuses the stall metrics still gives the sections
-        cmd = ncu_command(ncu, names, target, stall_metrics=stall)
+        cmd = ncu_command(ncu, names, target, stall_metrics=stall, nvtx_range=nvtx_range, launches=launches)
         with open(out_csv, "w") as out, open(os.path.join(paths["ncu"], "ncu_stderr.log"), "a") as err:
             # one process: no compile workers for ncu to follow (the compile is a cache hit anyway)
             env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS="1")

@@ -168,6 +168,131 @@ def test_ncu_command_filters_kernels_in_the_nvtx_range():
     assert cmd[-2:] == ["python", "t.py"] and "--csv" in cmd
 
 
+def test_ncu_command_without_a_range_counts_one_steps_launches():
+    cmd = lease_parts.ncu_command("ncu", ["triton_poi_fused_add_0"], ["python", "t.py"], nvtx_range=None,
+                                  launches=16)
+    assert "--nvtx" not in cmd and "--nvtx-include" not in cmd
+    assert cmd[cmd.index("-c") + 1] == "16"
+
+
+def _kernels_csv(path, rows):
+    cols = ["part", "provider", "shape", "kernel", "per_step_us", "calls_per_step", "run"]
+    with open(path, "w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow(cols)
+        writer.writerows(rows)
+
+
+def test_ncu_profiles_the_steps_te_kernels_on_the_steps_cache(tmp_path):
+    """The step's te profile names the kernels (the latest run's, Triton ones only) and ncu's target is
+    the step's te process on the step part's cache, where the compile is a cache hit."""
+    csv_path = tmp_path / "kernels.csv"
+    _kernels_csv(csv_path, [
+        ["block", "te Float8CurrentScaling", "s", "triton_poi_fused_mul_0", "900", "1", "r2"],
+        ["step", "te Float8CurrentScaling", "s", "triton_red_fused_amax_8", "100", "4.0", "r1"],   # older run
+        ["step", "te Float8CurrentScaling", "s", "triton_poi_fused_cast_2", "50", "16.0", "r2"],
+        ["step", "te Float8CurrentScaling", "s", "nvjet_sm90_tst_256x128", "500", "28.0", "r2"],  # cuBLAS
+        ["step", "te Float8CurrentScaling", "s", "_norm_quantize_kernel", "80", "8.0", "r2"],
+        ["step", "bf16", "s", "triton_poi_fused_add_1", "300", "4.0", "r2"],
+    ])
+    part, names, launches = lease_parts.slowest_te_kernels(str(csv_path))
+    assert (part, names, launches) == ("step", ["_norm_quantize_kernel", "triton_poi_fused_cast_2"], 24)
+
+    paths = lease_parts._paths(str(tmp_path / "work"))
+    target, nvtx_range = lease_parts.ncu_target(part, paths)
+    assert nvtx_range is None and target[1].endswith("bench_step.py")
+    assert target[target.index("--code-dir") + 1] == os.path.join(paths["code"], "step")
+    assert target[target.index("--providers") + 1] == "te Float8CurrentScaling"
+    # the target as ncu would start it runs (here on the CPU: --dry) and keeps its rows out of results.jsonl
+    proc = subprocess.run(target + ["--dry"], cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"),
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [json.loads(line) for line in open(target[target.index("--jsonl") + 1])]
+    assert {r["provider"] for r in rows} == {"te Float8CurrentScaling"}
+    assert not os.path.exists(paths["results"])
+    # the block (by name only now) is the target when only it profiled te
+    _kernels_csv(csv_path, [["block", "te Float8CurrentScaling", "s", "triton_poi_fused_mul_0", "900", "1", "r2"]])
+    assert lease_parts.slowest_te_kernels(str(csv_path)) == ("block", ["triton_poi_fused_mul_0"], 1)
+    target, nvtx_range = lease_parts.ncu_target("block", paths)
+    assert nvtx_range == "lease_ncu" and "--ncu-target" in target
+
+
+# ---- bench parts: time per provider process -----------------------------------------------------------------
+
+class _Clock:
+    """time.monotonic for part_bench, moved on by each fake provider process by the seconds it used."""
+
+    def __init__(self):
+        self.now = 1000.0
+
+    def monotonic(self):
+        return self.now
+
+
+@pytest.mark.parametrize("budget, used, limits", [
+    # each process uses all it is given: the first gets what is left less 50 s kept for one later process
+    # (two would not fit), the second those 50 s, the third nothing and is skipped
+    (120, None, [70, 50]),
+    # each uses 10 s: all three run, each given what is left less 50 s for each one after it
+    (200, 10, [100, 140, 180]),
+    # under one process's minimum: nothing starts
+    (40, None, []),
+])
+def test_part_bench_starts_a_provider_only_with_the_time_it_needs(tmp_path, monkeypatch, capsys, budget, used,
+                                                                   limits):
+    clock, started = _Clock(), []
+
+    def fake_run(cmd, limit):
+        started.append((cmd[cmd.index("--providers") + 1], round(limit)))
+        clock.now += limit if used is None else used
+        return 0
+
+    monkeypatch.setattr(lease_parts, "time", clock)
+    monkeypatch.setattr(lease_parts, "_run", fake_run)
+    monkeypatch.setitem(lease_parts.PROCESS_MIN_SECONDS, "attention", 50)
+    args = lease_parts.argparse.Namespace(name="attention", budget=budget, dry=False)
+    rc = lease_parts.part_bench(args, lease_parts._paths(str(tmp_path)))
+    providers = lease_parts.PART_PROVIDERS["attention"][1]
+    assert started == list(zip(providers, limits))
+    out = capsys.readouterr().out
+    skipped = providers[len(limits):]
+    for provider in skipped:
+        assert f"bench attention: no time left for [{provider!r}]" in out
+        assert "a process needs 50 s" in out
+    assert rc == (124 if skipped else 0)
+
+
+# ---- setup: once per machine ------------------------------------------------------------------------------------
+
+def test_second_setup_skips_pip_on_the_marker(tmp_path):
+    """lease.sh's setup (not --dry) through a stand-in interpreter that logs its arguments: the first setup
+    calls pip and lease_parts setup and leaves setup.done; a second call's setup on the same work folder
+    calls neither and gets the short budget."""
+    calls = tmp_path / "calls.txt"
+    fake = tmp_path / "python"
+    fake.write_text(f'#!/usr/bin/env bash\necho "$*" >> {calls}\nexit 0\n')
+    fake.chmod(0o755)
+    work = tmp_path / "work"
+    env = dict(os.environ, PYTHON=str(fake), OUT=str(tmp_path / "out"), LEASE_WORK=str(work), LEASE_DRY="0")
+
+    def setup() -> tuple[str, str]:
+        proc = subprocess.run(["bash", str(BENCH / "lease.sh"), "setup"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+        made, log = calls.read_text(), (work / "logs" / "setup.log").read_text()
+        calls.write_text("")
+        return made, log
+
+    first_calls, _ = setup()
+    assert "-m pip" in first_calls and "lease_parts.py setup" in first_calls
+    assert (work / "setup.done").read_text().split() == [str(ROOT), str(fake)]
+    second_calls, log = setup()
+    assert "-m pip" not in second_calls and "lease_parts.py setup" not in second_calls
+    assert "setup.done" in log
+    timings = [line.split("\t") for line in (work / "timings.tsv").read_text().splitlines()]
+    assert [(t[0], t[1], t[3]) for t in timings] == [("setup", "0", "35"), ("setup", "0", "10")]
+
+
 # ---- the kit end to end -----------------------------------------------------------------------------------
 
 def test_dry_lease_brings_back_the_eight_files(tmp_path):
