@@ -31,7 +31,7 @@ from unittest import mock
 
 __all__ = [
     # the launches of a graph
-    "TINY_BYTES", "GEMM_OPS", "KernelSource", "Launch", "kernel_sources", "launches",
+    "TINY_BYTES", "GEMM_OPS", "KernelSource", "Launch", "kernel_sources", "launches", "repeated_stores",
     # sm90 builds
     "Build", "ptxas_available", "build_sm90",
 ]
@@ -84,6 +84,27 @@ def kernel_sources(code: str) -> dict[str, KernelSource]:
         user = "custom_kernel=True" in body
         out[name] = KernelSource(name, body, user, None if user or not estimate
                                  else round(float(estimate.group(1)) * 1e9))
+    return out
+
+
+# tl.store(out_ptr3 + (x0 + 8192*r0_1), tmp38, mask): the pointer, the index, the value
+_STORE = re.compile(r"tl\.store\((\w+) \+ \((.*?)\), (tmp\d+)\b")
+
+
+def repeated_stores(code: str) -> dict[str, int]:
+    """Per Triton kernel that ``code`` defines, how many of its stores write a value it already stores
+    at the same index into another buffer: one tensor materialized several times (inductor inlines a
+    node into a copy per extern reader it does not realize for). Scalar stores (an index without a
+    program variable: each reader's amax slot) are not counted."""
+    out = {}
+    for name, kernel in kernel_sources(code).items():
+        seen: dict[tuple[str, str], int] = {}
+        for _ptr, index, value in _STORE.findall(kernel.source):
+            if re.search(r"\b[xyr]\w*\d", index):   # x0, y1, r0_1, xindex: varies over the tensor
+                seen[(value, index)] = seen.get((value, index), 0) + 1
+        extra = sum(n - 1 for n in seen.values())
+        if extra:
+            out[name] = extra
     return out
 
 

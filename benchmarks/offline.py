@@ -72,7 +72,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import _common
 from _h100_schedule import CodeCapture, GeneratedGraph, fake_module, gpu_trace
-from _output_code import Build, Launch, build_sm90, kernel_sources, launches, ptxas_available
+from _output_code import Build, Launch, build_sm90, kernel_sources, launches, ptxas_available, repeated_stores
 
 __all__ = [
     # what is compiled
@@ -312,11 +312,12 @@ def counts(r: GraphResult, copy_gbps: float) -> dict:
             "gemms": sum(x.kind == "gemm" for x in ls), "attention": sum(x.kind == "attention" for x in ls),
             "other_extern": sum(x.kind == "extern" for x in ls), "memory_bytes": memory, "te_bytes": te_bytes,
             "roofline_ms": memory / (copy_gbps * 1e9) * 1e3,
-            "unknown_bytes": sum(x.bytes is None for x in ls if x.kind in ("triton", "user")), "note": r.note}
+            "unknown_bytes": sum(x.bytes is None for x in ls if x.kind in ("triton", "user")),
+            "repeated_stores": sum(repeated_stores(r.code).values()), "note": r.note}
 
 
 _SUMMED = ("launches", "tiny", "te_kernels", "gemms", "attention", "other_extern", "memory_bytes", "te_bytes",
-           "roofline_ms", "unknown_bytes")
+           "roofline_ms", "unknown_bytes", "repeated_stores")
 
 
 def _total(rows: list[dict], label: str) -> dict:
@@ -329,7 +330,7 @@ def _total(rows: list[dict], label: str) -> dict:
 # ---- the report ----------------------------------------------------------------------------------------
 
 _HEADERS = ["graph", "launches", "tiny (< 1 MB)", "te kernels", "GEMMs", "attention", "other extern",
-            "memory-bound GB", "of which te kernels GB", "roofline ms", "note"]
+            "memory-bound GB", "of which te kernels GB", "roofline ms", "repeated stores", "note"]
 
 
 def _cells(row: dict) -> list:
@@ -337,7 +338,7 @@ def _cells(row: dict) -> list:
     note = row["note"] or (f"{row['unknown_bytes']} launches without bytes" if row["unknown_bytes"] else "")
     return [graph, row["launches"], row["tiny"], row["te_kernels"], row["gemms"], row["attention"],
             row["other_extern"], f"{row['memory_bytes'] / 1e9:.2f}", f"{row['te_bytes'] / 1e9:.2f}",
-            f"{row['roofline_ms']:.3f}", note]
+            f"{row['roofline_ms']:.3f}", row["repeated_stores"], note]
 
 
 def provider_table(rows: list[dict], total_label: str, fmt: str = "simple") -> str:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterator, Optional, Sequence, Union
 
+import torch
 import torch.fx as fx
 from torch._dynamo.exc import ShortenTraceback
 from torch._guards import detect_fake_mode
@@ -26,6 +28,35 @@ log = logging.getLogger("te_compile")
 # first traces them
 trace_eager_experts()
 ignore_library_warnings()
+
+
+@contextlib.contextmanager
+def _scaled_gemm_inputs_realized() -> Iterator[None]:
+    """While te's graphs lower: inductor writes a node once for all its readers when one of them is in
+    its ``needs_realized_inputs`` set, which holds ``mm`` and ``_grouped_mm`` but not the scaled GEMMs.
+    Without them an FP8 operand that several ``_scaled_mm`` calls read (q, k and v reading one norm's
+    output) is written once per GEMM, in one kernel with as many stores: on an H100 the transposed
+    wgrad operand of q, k and v took 2.5 ms a layer written three times, 0.7 written once."""
+    from torch._inductor.lowering import needs_realized_inputs
+
+    ops = [getattr(torch.ops.aten, name).default for name in ("_scaled_mm", "_scaled_grouped_mm")
+           if hasattr(torch.ops.aten, name)]
+    added = [op for op in ops if op not in needs_realized_inputs]
+    needs_realized_inputs.update(added)
+    try:
+        yield
+    finally:
+        for op in added:
+            needs_realized_inputs.discard(op)
+
+
+def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
+    """inductor's compile_fx_inner for te's forward and backward graphs (the backward's compile may
+    come later, at the first backward; inductor keeps this function for it)."""
+    from torch._inductor.compile_fx import compile_fx_inner
+
+    with _scaled_gemm_inputs_realized():
+        return compile_fx_inner(gm, example_inputs, **kwargs)
 
 
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
@@ -55,7 +86,7 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}
-    return compile_fx(gm, example_inputs, config_patches=patches)
+    return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
 
 
 def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:

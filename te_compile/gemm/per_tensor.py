@@ -44,8 +44,14 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
 
 
 def column_major(t: torch.Tensor) -> torch.Tensor:
-    """Same values, column-major layout: the b operand of _scaled_mm."""
-    return t.t().contiguous().t()
+    """Same values, column-major layout: the b operand of _scaled_mm.
+
+    The layout is forced, not only asked for: inductor then writes the copy once as a buffer of its
+    own, which every GEMM that reads it shares (a plain transpose-copy is inlined into a copy per
+    reading GEMM: 16 copies of the output layer's [V, K] weight, one per loss chunk's dgrad)."""
+    out = t.t().contiguous().t()
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    return out if force is None else force.default(out, (1, t.shape[0]))
 
 
 def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:

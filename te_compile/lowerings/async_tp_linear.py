@@ -91,10 +91,17 @@ def _mm(a8: torch.Tensor, b8_nk: torch.Tensor, a_sinv, b_sinv, out_dtype) -> tor
     return y.reshape(*a8.shape[:-1], b8_nk.shape[0])
 
 
-def _wgrad(g8: torch.Tensor, x8: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.Tensor:
-    """g8 [..., N]ᵀ @ x8 [..., K] -> [N, K] over every leading position."""
+def _rows_column_major(x8: torch.Tensor) -> torch.Tensor:
+    """x8 [..., K] as the [rows, K] column-major operand of a wgrad."""
+    return column_major(x8.reshape(-1, x8.shape[-1]))
+
+
+def _wgrad(g8: torch.Tensor, x_cm: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.Tensor:
+    """g8 [..., N]ᵀ @ x [rows, K] -> [N, K] over every leading position; ``x_cm`` from
+    ``_rows_column_major``, made once however many wgrads read it (inductor would write one copy per
+    reader)."""
     g2 = g8.reshape(-1, g8.shape[-1])
-    return scaled_mm(g2.t().contiguous(), column_major(x8.reshape(-1, x8.shape[-1])), g_sinv, x_sinv, dtype)
+    return scaled_mm(g2.t().contiguous(), x_cm, g_sinv, x_sinv, dtype)
 
 
 def _operands(x, ws, recipe, group, x_scale, w_scale):
@@ -154,12 +161,13 @@ class _Column(torch.autograd.Function):
         wqs, w_sinvs, delayed = rest[:n], rest[n:2 * n], rest[2 * n:]
         g_scale = delayed[1] if delayed else None
         dx, dws, g_amax = None, [], None
+        x_cm = _rows_column_major(x8) if any(ctx.needs_input_grad[8 + i] for i in range(n)) else None
         for i, (g, wq, w_sinv) in enumerate(zip(gs, wqs, w_sinvs)):
             gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, g_scale)   # g is split along N
             if ctx.needs_input_grad[0]:
                 part = _mm(gq, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0])
                 dx = part if dx is None else dx + part
-            dws.append(_wgrad(gq, x8, g_sinv, x_sinv, ctx.dtypes[1][i]) if ctx.needs_input_grad[8 + i] else None)
+            dws.append(_wgrad(gq, x_cm, g_sinv, x_sinv, ctx.dtypes[1][i]) if ctx.needs_input_grad[8 + i] else None)
         if dx is not None:
             dx = reduce_scatter_seq(dx, ctx.dim, ctx.group)
         carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[4] else None
@@ -185,7 +193,7 @@ class _Row(torch.autograd.Function):
         gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, delayed[1] if delayed else None)
         g8 = all_gather_seq(gq.contiguous(), ctx.dim, ctx.group)   # g is split along the sequence
         dx = _mm(g8, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        dw = _wgrad(g8, xq, g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        dw = _wgrad(g8, _rows_column_major(xq), g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
         carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[5] else None
         return dx, dw, None, None, None, carrier_grad, None, None, None
 

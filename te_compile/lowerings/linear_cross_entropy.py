@@ -290,6 +290,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         dx_dtype = torch.float32 if spec.norm is not None else x_dtype
         if ctx.exact_amax:
             lse, miss = lse[0], lse[1]
+        g_sinv = None
         if recipe is not None:
             if g_scale is None and ctx.exact_amax:
                 # dz's amax as the unfused path finds it on dz in the layer's dtype
@@ -301,6 +302,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g_scale = torch.where(bound > 0, fp8_max(recipe.fp8_format.dtype_for("grad_output")) / bound, 1.0)
             g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
         dxs, gs, db, g_amax = [], [], None, None
+        # the weight's column-major FP8 copy for every chunk's dgrad, made once: inductor keeps one
+        # copy per call site ([V, K] FP8, 0.5 GB at Llama 3's head, written again for each chunk)
+        wq_cm = column_major(wq) if recipe is not None and need_dx else None
         for xc, lc, lsec in zip(operands[0].tensor_split(ctx.chunks), labels.tensor_split(ctx.chunks),
                                 lse.tensor_split(ctx.chunks)):
             z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv, w_sinv, bias, x_dtype)
@@ -314,11 +318,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 amax = tensor_amax(dz)
                 g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
                 dz = quantize_per_tensor(dz, "grad_output", recipe, g_scale, amax)[0].contiguous()
-            if need_dx:
-                dxs.append(dz @ operands[1] if recipe is None
-                           else fp8_gemm(dz, column_major(wq), g_sinv, w_sinv, out_dtype=dx_dtype))
             if need_dw:
                 gs.append(dz)
+            elif need_dx:
+                dxs.append(_dgrad(dz, operands[1], wq_cm, g_sinv, w_sinv, dx_dtype))
         dw = None
         if need_dw:
             # One GEMM over every row, as the unfused path computes it, from the chunks' gradients kept
@@ -332,6 +335,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 dw = (g_all.t() @ operands[0] if recipe is None
                       else fp8_gemm(g_all.t().contiguous(), column_major(operands[0]), g_sinv, x_sinv,
                                     out_dtype=torch.float32))
+            if need_dx:
+                # each chunk's dgrad reads its rows of the concatenated gradient, so a chunk's gradient
+                # is written once (into it), not once for its dgrad and again for the concatenation
+                dxs = [_dgrad(g, operands[1], wq_cm, g_sinv, w_sinv, dx_dtype) for g in g_all.tensor_split(ctx.chunks)]
         dx = torch.cat(dxs).to(dx_dtype) if need_dx else None
         dw = dw.to(w_dtype) if need_dw else None
         db = db.to(b_dtype) if need_db else None
@@ -345,6 +352,14 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if recipe is not None and ctx.needs_input_grad[10]:
             carrier_grad = torch.cat([xw_amax, g_amax])
         return dx, dw, db, None, dnw, dnb, None, None, None, None, carrier_grad, None, None, None
+
+
+def _dgrad(g, w, wq_cm, g_sinv, w_sinv, out_dtype) -> torch.Tensor:
+    """One chunk's input gradient g [c, V] @ w [V, K]: high precision (g_sinv None) or the FP8 GEMM
+    with the weight's column-major FP8 copy ``wq_cm``."""
+    if g_sinv is None:
+        return g @ w
+    return fp8_gemm(g, wq_cm, g_sinv, w_sinv, out_dtype=out_dtype)
 
 
 def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
