@@ -558,3 +558,28 @@ def test_swiglu_fused_into_the_second_grouped_gemm_gives_the_unfused_bits(recipe
         assert_bitwise_equal(a, b, f"output, step {step + 1}")
     for name in fused_grads:
         assert_bitwise_equal(fused_grads[name], plain_grads[name], f"{name}.grad")
+
+
+def test_gather_rows_backward_copies_rows_back_without_index_add():
+    # the padded GEMM output's rows gathered back: each row at most once, so the gradient is written
+    # back with index_copy, the same bits as autograd's index_add into zeros, without atomic adds
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from te_compile.lowerings.grouped_linear import GatherRows
+
+    padded = torch.randn(10, 4, dtype=torch.bfloat16, requires_grad=True)
+    dest = torch.tensor([0, 2, 3, 7, 9])
+    grad = torch.randn(5, 4, dtype=torch.bfloat16)
+    ref = padded.index_select(0, dest)
+    (ref_grad,) = torch.autograd.grad(ref, padded, grad)
+    out = GatherRows.apply(padded, dest)
+    (got,) = torch.autograd.grad(out, padded, grad)
+    assert torch.equal(out, ref) and torch.equal(got, ref_grad)
+
+    def step(p, g):
+        return torch.autograd.grad(GatherRows.apply(p, dest), p, g)
+
+    traced = make_fx(step)(padded.detach().requires_grad_(), grad)
+    targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
+    assert not any("index_add" in t for t in targets), targets
+    assert any("index_copy" in t or "index_put" in t for t in targets), targets
