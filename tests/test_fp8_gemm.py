@@ -76,3 +76,32 @@ def test_a_mismatch_keeps_scaled_mm(monkeypatch):
         monkeypatch.undo()
         gemm._check_cpu_emulation.cache_clear()
     assert gemm.cpu_emulates_scaled_mm()
+
+
+@pytest.mark.parametrize("recipe, fprop_fast", [("Float8CurrentScaling", True), ("DelayedScaling", True),
+                                                ("Float8CurrentScaling", False)])
+def test_only_the_forward_gemm_accumulates_fast(monkeypatch, recipe, fprop_fast):
+    # torch._scaled_mm as a GPU runs it (not the CPU emulation): the forward GEMM with use_fast_accum
+    # under fprop_fast_accum, the dgrad and wgrad without, as TransformerEngine and torchao run them
+    import te_compile
+
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("use_fast_accum", False))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemm, "cpu_emulates_scaled_mm", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(64, 32, bias=False)
+    options = {"recipe_options": {"fprop_fast_accum": fprop_fast}}
+    compiled = torch.compile(layer, backend=te_compile.backend(recipe=recipe, compiler="aot_eager", **options))
+    compiled(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    # the forward is traced twice (Dynamo's fake run, then AOTAutograd's joint trace, whose backward
+    # follows): fprop calls first, then dgrad and wgrad
+    assert len(calls) >= 3 and set(calls[:-2]) == {fprop_fast} and calls[-2:] == [False, False], calls
+    assert te_compile.recipe.Float8CurrentScaling(fprop_fast_accum=fprop_fast).fast_accumulation("fprop") is fprop_fast
+    assert not te_compile.recipe.Float8CurrentScaling().fast_accumulation("wgrad")

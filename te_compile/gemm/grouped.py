@@ -117,8 +117,9 @@ def uses_bf16_grouped_gemm(mat_a: torch.Tensor, mat_b: torch.Tensor, out_dtype: 
 
 
 def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
-                      offs: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The grouped GEMM of FP8 operands with rowwise scales (module docstring), in ``out_dtype``.
+                      offs: torch.Tensor, out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+    """The grouped GEMM of FP8 operands with rowwise scales (module docstring), in ``out_dtype``;
+    ``fast_accum``: the native op's ``use_fast_accum`` (the other paths accumulate in fp32).
 
     Any layouts: the native op gets mat_a row-major and mat_b column-major (copies where they are
     not), the emulation reads any. Natively, groups must already be padded to ``GROUP_ALIGN`` rows.
@@ -126,7 +127,7 @@ def scaled_grouped_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.T
     if uses_native_grouped_gemm(mat_a, mat_b, out_dtype):
         mat_b = mat_b.transpose(-2, -1).contiguous().transpose(-2, -1)   # copies only where not column-major
         return torch._scaled_grouped_mm(mat_a.contiguous(), mat_b, scale_a.contiguous(), scale_b.contiguous(),
-                                        offs=offs, out_dtype=out_dtype)
+                                        offs=offs, out_dtype=out_dtype, use_fast_accum=fast_accum)
     if uses_bf16_grouped_gemm(mat_a, mat_b, out_dtype):
         # the same layouts as the scaled op: a row-major, b column-major, each 16-byte aligned
         b16 = mat_b.to(torch.bfloat16).transpose(-2, -1).contiguous().transpose(-2, -1)

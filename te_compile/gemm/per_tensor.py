@@ -122,8 +122,10 @@ def fp8_gemm(
     a_scale_inv: torch.Tensor,  # fp32 [1]
     b_scale_inv: torch.Tensor,  # fp32 [1]
     out_dtype: torch.dtype,
+    fast_accum: bool = False,
 ) -> torch.Tensor:
-    """(a * a_scale_inv) @ (b * b_scale_inv) with fp32 accumulation, as ``out_dtype`` [M, N].
+    """(a * a_scale_inv) @ (b * b_scale_inv) with fp32 accumulation, as ``out_dtype`` [M, N];
+    ``fast_accum``: torch._scaled_mm's ``use_fast_accum`` on CUDA (the emulation accumulates in fp32).
 
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
     too, so callers must produce them; eager would accept any layout and hide the mistake.
@@ -132,11 +134,11 @@ def fp8_gemm(
         # the [1] scales broadcast as they are: no reshape nodes (3 GEMMs a site, each node is
         # traced, partitioned and lowered at every compile)
         return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU
-    return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype)
+    return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, fast_accum)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-              out_dtype: torch.dtype) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``fp8_gemm`` as ``torch._scaled_mm`` always, the CPU included: the op inductor's micro-pipeline
     TP pass looks for (async tensor parallelism, lowerings/async_tp_linear.py)."""
     sa = a_scale_inv.reshape(())
@@ -149,4 +151,4 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
         if pad:
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
-    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)

@@ -61,7 +61,9 @@ def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype)
     w_amax: see ``quantize_weight``."""
     wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
     wq = wq.contiguous()
-    return fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype), wq, w_sinv, w_amax
+    y = fp8_gemm(xq.contiguous(), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype,
+                 fast_accum=recipe.fast_accumulation("fprop"))
+    return y, wq, w_sinv, w_amax
 
 
 def fp8_dgrad_wgrad(grad_y, recipe, wq, w_sinv, x_sinv, x_colmajor, *, dx_dtype, dw_dtype, g_scale=None,

@@ -84,7 +84,7 @@ def grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale=None, *, out_
     w's scale_inv [E], w's amax [E])."""
     wq, w_sinv, w_amax = expert_weight_operand(w_ekn, recipe, w_scale)
     y = scaled_grouped_mm(xq, wq.transpose(1, 2), _per_row(x_sinv, groups), _per_column(w_sinv, wq.shape[1]),
-                          offs, out_dtype)
+                          offs, out_dtype, fast_accum=recipe.fast_accumulation("fprop"))
     return y, wq, w_sinv, w_amax
 
 

@@ -52,7 +52,11 @@ def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optio
     """How the site's GEMMs run on ``device``, for the report; ``native`` / ``why``: the block-GEMM
     probe's answer."""
     if recipe.per_tensor:
-        return fp8_gemm_kind(device) if device is not None else "FP8 GEMMs (torch._scaled_mm)"
+        kind = fp8_gemm_kind(device) if device is not None else "FP8 GEMMs (torch._scaled_mm)"
+        on_gpu = device is not None and torch.device(device).type == "cuda"   # CPU accumulates in fp32
+        if on_gpu and recipe.fast_accumulation("fprop") and kind.endswith("(torch._scaled_mm)"):
+            kind = kind[:-1] + "; forward with fast accumulation)"
+        return kind
     if recipe.block_format is None:
         return f"{recipe.format_label}, dequantize-then-matmul GEMMs"
     if native:
