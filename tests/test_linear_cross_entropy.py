@@ -102,9 +102,11 @@ def test_delayed_scaling_uses_its_grad_output_scale_bit_for_bit_and_reports_the_
     assert abs(float(amaxes[2]) - float(ref_amaxes[2])) <= 1e-6 * float(ref_amaxes[2])
 
 
-def test_weight_gradient_is_one_gemm_over_every_row_not_a_sum_of_chunk_products(monkeypatch):
-    """Per-chunk [V, K] fp32 partial products, added up, become one inductor kernel reading them all
-    (every chunk's buffer alive at once); the backward runs one weight-gradient GEMM instead."""
+def test_forward_gemms_are_the_logits_and_the_backward_recomputes_none(monkeypatch):
+    """The forward computes each chunk's gradient from its logits, so the backward runs no logits GEMM:
+    per chunk one dgrad GEMM reading its rows of the forward's FP8 gradient, then one weight-gradient
+    GEMM over every row (per-chunk [V, K] fp32 partial products, added up, would become one inductor
+    kernel reading them all, every chunk's buffer alive at once)."""
     import te_compile.lowerings.linear_cross_entropy as lce
 
     calls = []
@@ -114,18 +116,61 @@ def test_weight_gradient_is_one_gemm_over_every_row_not_a_sum_of_chunk_products(
         return fp8_gemm(a, b, *args, **kwargs)
 
     fp8_gemm = lce.fp8_gemm
+    monkeypatch.setattr(lce, "fp8_gemm", counting)
     x, w, b, labels = _operands(torch.float32, seed(4))
     spec = LinearCrossEntropySpec("lm_head", Float8CurrentScaling(), chunk=32)
     loss, _ = LinearCrossEntropyLowering(spec)(x, w, b, labels)
-    monkeypatch.setattr(lce, "fp8_gemm", counting)
+    assert calls == [((32, K), (K, V))] * (M // 32), calls   # the logits, chunk by chunk
+    calls.clear()
     dx, dw = torch.autograd.grad(loss, (x, w))
-    weight_gemms = [c for c in calls if c[0] == (V, M)]
-    assert weight_gemms == [((V, M), (M, K))], calls
-    # per chunk: the recomputed logits and dx
-    assert sorted(set(calls) - set(weight_gemms)) == [((32, K), (K, V)), ((32, V), (V, K))], calls
-    assert len(calls) == 1 + 2 * M // 32, calls
+    assert calls == [((32, V), (V, K))] * (M // 32) + [((V, M), (M, K))], calls
     ref = F.cross_entropy(LinearLowering(LinearSpec("lm_head", Float8CurrentScaling()))(x, w, b), labels)
     assert sqnr(_grads(ref, (w,))[0], dw) >= 30
+
+
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling()], ids=["hp", "fp8"])
+def test_a_forward_without_backward_computes_no_gradient(monkeypatch, recipe):
+    """Under no_grad (or with nothing requiring grad) the forward runs the logits GEMMs only and saves
+    nothing: no [M, V] gradient is made."""
+    import te_compile.lowerings.linear_cross_entropy as lce
+
+    made = []
+    real = lce._logit_grad
+    monkeypatch.setattr(lce, "_logit_grad", lambda *a: made.append(1) or real(*a))
+    x, w, b, labels = _operands(torch.float32, seed(5))
+    fused = LinearCrossEntropyLowering(LinearCrossEntropySpec("lm_head", recipe, chunk=32))
+    with torch.no_grad():
+        nograd, _ = fused(x, w, b, labels)
+    detached, _ = fused(x.detach(), w.detach(), b.detach(), labels)
+    assert made == []
+    loss, _ = fused(x, w, b, labels)
+    assert len(made) == M // 32
+    assert_bitwise_equal(nograd, loss.detach())
+    assert_bitwise_equal(detached, loss.detach())
+
+
+@pytest.mark.parametrize("recipe", [None, Float8CurrentScaling(), DelayedScaling()], ids=["hp", "current", "delayed"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_loss_gradient_scales_the_forwards_gradient(recipe, reduction):
+    """The forward's gradient is for an upstream gradient of 1; the backward's gradient g scales the
+    GEMMs (FP8: their scale_inv): a power of two gives g times the gradients bit for bit, 3 gives them
+    to fp32 rounding (the GEMM scales its operands by a rounded product)."""
+    x, w, b, labels = _operands(torch.float32, seed(6), bias=recipe is None or isinstance(recipe, Float8CurrentScaling))
+    fused = LinearCrossEntropyLowering(LinearCrossEntropySpec("lm_head", recipe, chunk=32, reduction=reduction))
+    delayed = ()
+    if isinstance(recipe, DelayedScaling):
+        delayed = (torch.zeros(3, requires_grad=True), *[torch.tensor([s]) for s in (2.0, 8.0, 4096.0)])
+    params = [t for t in (x, w, b) if t is not None]
+
+    def grads(scale):
+        loss, _ = fused(x, w, b, labels, None, None, *delayed)
+        return torch.autograd.grad(loss * scale, params)
+
+    ones = grads(1.0)
+    for got, want in zip(grads(4.0), ones):
+        assert_bitwise_equal(got, want * 4)
+    for got, want in zip(grads(3.0), ones):
+        assert sqnr(want * 3, got) >= 100
 
 
 @pytest.mark.parametrize("reduction, expected", [("mean", float("nan")), ("sum", 0.0)])
@@ -266,13 +311,15 @@ class GptFastTail(nn.Module):
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "none"])
 def test_gpt_fast_model_with_a_compiled_train_step(recipe):
     """The loss outside the model, in the step the user compiles: gpt-fast's spelling
-    ``cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))``; under FP8 its norm joins the op."""
+    ``cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))``; under FP8 its norm joins the op.
+    FP8 gradients: the fused op quantizes the logits' gradient (E5M2) with its bound scale, the unfused
+    path with its amax, two roundings of one gradient: each as close to high precision as the other."""
     torch.manual_seed(0)
     model = GptFastTail()
-    ref = copy.deepcopy(model)
+    ref, high = copy.deepcopy(model), copy.deepcopy(model)
     idx, y = torch.randint(0, 64, (2, 16)), torch.randint(0, 64, (2, 16))
     losses, rows = [], []
-    for m, on in ((model, True), (ref, False)):
+    for m, on, r in ((model, True, recipe), (ref, False, recipe), (high, False, "none")):
         torch._dynamo.reset()
         te_compile.reset()
 
@@ -280,7 +327,7 @@ def test_gpt_fast_model_with_a_compiled_train_step(recipe):
             logits = m(idx)
             return F.cross_entropy(logits.view(-1, logits.size(-1)), y.view(-1))
 
-        backend = te_compile.backend(recipe=recipe, compiler="aot_eager",
+        backend = te_compile.backend(recipe=r, compiler="aot_eager",
                                      rewrite={"linear_cross_entropy": on, "linear_cross_entropy_chunk": 8})
         loss = torch.compile(step, backend=backend)(idx, y)
         loss.backward()
@@ -290,9 +337,12 @@ def test_gpt_fast_model_with_a_compiled_train_step(recipe):
     if recipe != "none":
         assert rows[0]["rms_norm"].reason == "fused into output's output layer and loss", rows[0]["rms_norm"].reason
     assert abs(losses[0] - losses[1]) <= 1e-5 * losses[1]
-    floor = 100 if recipe == "none" else 30
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
-        assert sqnr(q.grad, p.grad) >= floor, name
+    for (name, p), q, h in zip(model.named_parameters(), ref.parameters(), high.parameters()):
+        if recipe == "none":
+            assert sqnr(q.grad, p.grad) >= 100, name
+        else:
+            fused, unfused = sqnr(h.grad, p.grad), sqnr(h.grad, q.grad)
+            assert fused >= unfused - 3 and sqnr(q.grad, p.grad) >= 20, (name, fused, unfused)
 
 
 def test_delayed_scaling_state_advances_as_the_unfused_sites():
@@ -325,7 +375,10 @@ def test_causal_shift_reads_the_unfused_bytes_and_scales_when_the_dropped_rows_h
     """The last position's rows, which the loss drops, hold the input's largest values: the unfused head
     quantizes them too, so the fused op's scale must come from all rows. Three steps (DelayedScaling's
     scales then come from recorded amaxes): the same logits, so losses to fp32 rounding of the row sums;
-    gradients and recipe state bit for bit."""
+    under DelayedScaling (the same grad_output scale) gradients and recipe state bit for bit. Current
+    scaling quantizes the logits' gradient with its bound scale, not the unfused amax: the first step's
+    loss as tight and its gradients close (20 dB: two E5M2 roundings of one gradient), the later
+    steps' losses to 1e-3."""
     torch.manual_seed(0)
     base = ShiftedHead()
     x = torch.randn(3, 9, 32)
@@ -344,19 +397,56 @@ def test_causal_shift_reads_the_unfused_bytes_and_scales_when_the_dropped_rows_h
             loss = compiled(x, labels)
             loss.backward()
             losses.append(loss.detach())
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+            if recipe == "DelayedScaling" or not losses[1:]:   # current scaling: the first step's
+                grads = {n: p.grad.clone() for n, p in model.named_parameters()}
             opt.step()
             opt.zero_grad()
         assert [r.rewritten for r in _rows(te_compile.report().sites)] == [fuse]
         runs.append((losses, grads, te_compile.recipe_state_dict(model)))
     (losses, grads, state), (ref_losses, ref_grads, ref_state) = runs
-    for a, b in zip(losses, ref_losses):
-        assert abs(float(a) - float(b)) <= 1e-6 * float(b), (float(a), float(b))
+    exact = recipe == "DelayedScaling"
+    for i, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert abs(float(a) - float(b)) <= (1e-6 if exact or i == 0 else 1e-3) * float(b), (i, float(a), float(b))
     for name in grads:
-        assert_bitwise_equal(grads[name], ref_grads[name], name)
+        if exact:
+            assert_bitwise_equal(grads[name], ref_grads[name], name)
+        else:
+            assert sqnr(ref_grads[name], grads[name]) >= 20, (name, sqnr(ref_grads[name], grads[name]))
     assert state.keys() == ref_state.keys()
     for key in state:
         assert_bitwise_equal(state[key], ref_state[key], key)
+
+
+def test_compiled_backward_runs_no_logits_gemm(monkeypatch):
+    """The GEMMs touching the vocab dim in the graphs AOTAutograd hands the compilers: the forward's
+    chunk logits, then per chunk a dgrad and one wgrad in the backward (a recomputing backward ran
+    2 * chunks + 1), and no softmax in the backward. The body's linear, [., 32] x [32, 32], is left
+    out by shape."""
+    from torch._dynamo.backends import debugging
+
+    real, counts = debugging.aot_eager, {}
+
+    def spy(gm, example_inputs, **kwargs):
+        def compiler(name):
+            def run(g, inputs):
+                counts[name] = sum(1 for n in g.graph.nodes if n.op == "call_function" and n.target in (
+                    torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default) and any(
+                    96 in a.meta["val"].shape for a in (n, *n.args[:2])))
+                counts[name + " exp"] = sum(1 for n in g.graph.nodes if n.target == torch.ops.aten.exp.default)
+                return kwargs.get(name, debugging.boxed_nop)(g, inputs)
+            run._boxed_call = True
+            return run
+        return real(gm, example_inputs, fw_compiler=compiler("fw_compiler"), bw_compiler=compiler("bw_compiler"))
+
+    monkeypatch.setattr(debugging, "aot_eager", spy)
+    torch._dynamo.reset()
+    te_compile.reset()
+    x, labels = torch.randn(3, 9, 32), torch.randint(0, 96, (3, 9))
+    compiled = torch.compile(ShiftedHead(), backend=te_compile.backend(
+        recipe="Float8CurrentScaling", compiler="aot_eager", rewrite={"linear_cross_entropy_chunk": 8}))
+    compiled(x, labels).backward()
+    assert [r.rewritten for r in _rows(te_compile.report().sites)] == [True]
+    assert counts == {"fw_compiler": 3, "bw_compiler": 3 + 1, "fw_compiler exp": 3, "bw_compiler exp": 0}, counts
 
 
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
@@ -416,10 +506,12 @@ def test_what_is_left_alone_says_why(case, reason):
 
 
 @pytest.mark.parametrize("recipe, compiler", [("Float8CurrentScaling", "inductor"), ("none", "aot_eager")])
-def test_no_logits_are_saved_for_backward_not_even_chunk_by_chunk(recipe, compiler):
-    """What the compiled forward hands autograd: nothing with the vocab as its last dim (AOTAutograd's
-    CSE would merge the backward's recomputed chunks with the forward's, and save them all), while
-    the unfused path saves the whole [tokens, V] logits."""
+def test_no_logits_are_saved_for_backward_only_the_gradient_in_one_buffer(recipe, compiler):
+    """What the compiled forward hands autograd with the vocab as its last dim: under FP8 the logits'
+    gradient, computed chunk by chunk in the forward, as one [tokens, V] buffer of one byte a logit, no
+    chunk's logits. In high precision nothing: the GEMMs that read that gradient take the backward's
+    loss gradient only as a final scalar multiply, so the partitioner runs them in the forward and
+    saves their [tokens, K] and [V, K] products. The unfused path saves the whole [tokens, V] logits."""
     torch._dynamo.reset()
     te_compile.reset()
     model = NanoGPTHead(vocab=256)
@@ -437,10 +529,12 @@ def test_no_logits_are_saved_for_backward_not_even_chunk_by_chunk(recipe, compil
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             _, loss = compiled(idx, targets)
         loss.backward()
-        vocab_bytes = sum(t.numel() * t.element_size() for t in saved if t.dim() and t.shape[-1] == 256
-                          and t.numel() >= 16 * 256)
+        wide = [t for t in saved if t.dim() and t.shape[-1] == 256 and t.numel() >= 16 * 256]
+        vocab_bytes = sum(t.numel() * t.element_size() for t in wide)
         if on:
-            assert vocab_bytes == 0, [tuple(t.shape) for t in saved]
+            want = [] if recipe == "none" else [((128, 256), torch.float8_e5m2)]   # HYBRID: E5M2 gradients
+            assert [(tuple(t.shape), t.dtype) for t in wide] == want, \
+                [(tuple(t.shape), t.dtype) for t in saved]
         else:
             assert vocab_bytes >= 128 * 256 * 4, [tuple(t.shape) for t in saved]
 

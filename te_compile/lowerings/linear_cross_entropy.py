@@ -7,11 +7,17 @@ entropy.py says which spellings) by one op that walks the tokens in chunks of ro
     z' = steps(z)                      the casts and soft-caps between the layer and the loss, in order
     loss_c = sum over rows of (1 - eps) * (lse - z'[label]) + eps * (lse - mean(z'))     (fp32)
 
-and only the layer's input (FP8 under a per-tensor recipe), its weight and per token an fp32
-logsumexp (and, under FP8, 1 - p(label)) are saved for backward: never a [tokens, V] tensor. The backward recomputes each chunk's logits
-(bit for bit the forward's: same operands, same GEMM) and turns them into that chunk's gradient
-dz = (softmax - (1 - eps) * onehot - eps / V) * dloss, then into its share of dx and db; the weight
-gradient is one GEMM over every chunk's dz once all are done.
+and, when a backward will follow (grad enabled and an input requiring grad), the chunk's gradient for
+an upstream loss gradient of 1, while its logits are at hand (Liger-Kernel's fused linear cross
+entropy): dz_u = (softmax - (1 - eps) * onehot - eps / V) * dloss_u through the steps backwards, with
+dloss_u = 1 / n_valid under ``mean`` and 1 under ``sum``, quantized to the grad_output FP8 format
+(E5M2 under HYBRID) under FP8, and its column sums for the bias gradient. The chunks' dz_u are written
+into one [tokens, V] buffer (one byte a logit under FP8, the layer's dtype without) that the forward
+saves, with the layer's (FP8) input and weight: never a chunk's logits. The backward recomputes
+nothing: the loss's gradient g (a scalar: the loss is one) scales the GEMMs, folded into the FP8
+GEMMs' scale_inv (no pass over the [tokens, V] buffer): per chunk dx_c = dz_u[c] @ w * g, reading its
+rows of the buffer, then one weight-gradient GEMM dw = dz_u.T @ x * g over every row, and db = g *
+the column sums. Without a backward the forward computes no dz.
 
 Numerics, against the unfused path of the same precision:
 - The forward GEMM reads the unfused path's operands: under FP8 the input's and weight's scales come
@@ -22,19 +28,31 @@ Numerics, against the unfused path of the same precision:
 - Each chunk gives its rows' logsumexp and target logit in fp32; the row losses are summed once every
   chunk is done, as the unfused path sums them: equal up to fp32 rounding of the per-row terms. The
   loss has the dtype the unfused ``cross_entropy`` would return (its input's).
-- FP8 gradients: the unfused path quantizes dz with its own amax, which the chunks cannot see before
-  they are done. Each chunk is quantized (E5M2 under HYBRID) with a scale known before it is computed.
-  A row's largest |dz| is (1 - p(label)) * |dloss| (the other entries sum to 1 - p(label)), so the
-  forward saves 1 - p(label) per token and current scaling gets the unfused amax exactly (rounded to
-  the layer's dtype, as the unfused dz is). With label smoothing or a soft-cap the scale comes from a
-  bound instead: every |dz| <= |dloss| (softmax minus a smoothed one-hot lies in [-1, 1], a soft-cap's
-  derivative in [0, 1]). ``dloss`` is the loss gradient, over the valid-token count under ``mean``.
-  DelayedScaling uses its grad_output scale, as the unfused site does, and still records dz's real
-  amax. The weight gradient is one GEMM over every row, as in the unfused path: the backward keeps
-  each chunk's gradient for it (one byte a logit under FP8, the layer's dtype without), the one
-  [tokens, V] tensor the op holds, freed as the GEMM returns.
+- FP8 gradients: the unfused path quantizes dz with its own amax, known only once all of dz exists;
+  the forward must quantize each chunk as it goes (keeping [tokens, V] in the layer's dtype until the
+  last chunk would undo the fusion's memory saving). Current scaling therefore uses one scale for
+  all chunks from a bound: every |dz_u| <= dloss_u (softmax minus a smoothed one-hot lies in [-1, 1],
+  a soft-cap's derivative in [0, 1]), scale = fp8_max / dloss_u. The real amax is (1 - p(label)) *
+  dloss_u for the row whose label is least likely (without smoothing or soft-cap), so the bound is
+  above it by log2(1 / max(1 - p(label))) binades: almost none while any token is still mispredicted
+  (a trained model's hardest token), and the largest gradients never overflow. The gradient is not
+  the unfused path's bit for bit (another scale, another rounding), and it gives up that many binades
+  at the low end of the format's range: nothing that matters for E5M2's wide range, at most that much
+  of E4M3's. An exact amax-based scale would need every chunk's logits before the first is quantized:
+  the recompute this design removes, or a second pass over the [tokens, V] buffer in the layer's dtype.
+  DelayedScaling quantizes with its grad_output scale, as the unfused site does, and records the amax
+  of what it quantizes: dz_u, the gradient for an upstream gradient of 1 (the real one scales the
+  GEMMs' outputs, never the FP8 bytes). Its gradients are the unfused ones bit for bit when that
+  upstream gradient is 1 (a plain loss.backward()).
+- The backward's scalar g: a power of two gives g times the g = 1 gradients bit for bit; any other
+  value the rounding of one more fp32 product (g * scale_inv) in each GEMM's operand scaling.
 - ``ignore_index`` rows add nothing to the loss and get zero gradients; with every row ignored,
   ``mean`` gives nan and ``sum`` 0, with zero gradients, as torch does.
+- Memory: the [tokens, V] gradient (1 GB in FP8 at Llama 3's head: 8192 tokens, V 128256) lives from
+  the forward to the backward, where the recomputing design held it during the backward only; the
+  backward holds no chunk's logits and no softmax. In high precision under torch.compile the
+  partitioner runs the GEMMs that read dz_u in the forward (g enters only as a final multiply) and
+  saves their [tokens, K] and [V, K] products instead.
 """
 
 from __future__ import annotations
@@ -52,13 +70,13 @@ from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_
 from ..norm_spec import NormSpec
 from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
 from ..recipe import Recipe
-from ..scaling import fp8_max, tensor_amax
+from ..scaling import cast_to_fp8, fp8_max, tensor_amax
 from .fp8_linear import quantize_weight
 from .linear import autocast_dtype
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",
-           "recompute_logits", "size_hint"]
+           "size_hint"]
 
 # a chunk's logits are kept about as large as the layer's input (Liger-Kernel's rule): rows = M * K / V,
 # rounded up to a power of two, never fewer than 16, and never so few that a chunk holds under 2**22
@@ -156,19 +174,12 @@ def _row_stats(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropyS
 
 
 def _row_losses(lse, target, zsum, valid, vocab: int, spec: LinearCrossEntropySpec):
-    """From the whole rows' values (fp32 [M]): the loss terms and 1 - p(label), 0 for ignored rows."""
+    """From the whole rows' values (fp32 [M]): the loss terms, 0 for ignored rows."""
     loss = lse - target
     if spec.label_smoothing:
         eps = spec.label_smoothing
         loss = (1 - eps) * loss + eps * (lse - zsum / vocab)
-    miss = torch.where(valid, -torch.expm1(target - lse), 0.0)
-    return torch.where(valid, loss, 0.0), miss
-
-
-def _exact_amax(spec: LinearCrossEntropySpec) -> bool:
-    """Is dz's amax known from the forward's per-row 1 - p(label)? Not with label smoothing or a
-    soft-cap, which move the largest element; their scales come from the bound |dz| <= |dloss|."""
-    return not spec.label_smoothing and all(kind != "softcap" for kind, _ in spec.steps)
+    return torch.where(valid, loss, 0.0)
 
 
 def _logit_grad(zl: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, dloss: torch.Tensor,
@@ -191,7 +202,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
     ``shard``: this rank's vocab slice when the weight is sharded by vocab (vocab_parallel.py; w_nk and
     bias are then the local rows), else None. ``x_full``: the layer's whole input when x2d holds only
-    the rows the loss reads (the causal shift), its amax taken for x2d's scale; else None. DelayedScaling passes its carrier and the three roles'
+    the rows the loss reads (the causal shift), its amax taken for x2d's scale; else None. ``grads``:
+    (dx, dw, db) wanted, each a bool, when a backward will follow (the forward then computes the
+    logits' gradient chunk by chunk), else None. DelayedScaling passes its carrier and the three roles'
     scales as the linears do (the backward returns [input, weight, grad_output] amaxes as the
     carrier's gradient); otherwise None for all four. Returns (loss, logits [M, V] or None): the
     logits only when ``spec.logits_steps`` >= 0, as a non-differentiable output (nothing reads them
@@ -199,15 +212,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, shard, x_full, carrier, x_scale, w_scale,
-                g_scale):
+    def forward(ctx, x2d, w_nk, bias, labels, norm_w, norm_b, spec, chunks, shard, x_full, grads, carrier, x_scale,
+                w_scale, g_scale):
         recipe = spec.recipe
-        ctx.spec, ctx.chunks, ctx.shard, ctx.has_bias = spec, chunks, shard, bias is not None
+        ctx.spec, ctx.chunks, ctx.grads = spec, chunks, grads
         ctx.has_norm = (norm_w is not None, norm_b is not None)
         # the layer's input dtype: the norm's output dtype when a norm is fused in front
         ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
                       None if bias is None else bias.dtype)
-        x_sinv = w_sinv = None
+        x_sinv = w_sinv = x_amax = w_amax = mean = rstd = None
         operands = (x2d, w_nk)
         if spec.norm is not None:   # the norm kernels write the layer's FP8 input
             mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, spec.norm)
@@ -222,43 +235,73 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             x_amax = tensor_amax(x_full) if x_full is not None else None
             xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
         if recipe is not None:
-            w_amax = None
             if shard is not None and w_scale is None and not weight_is_operand(w_nk, recipe):
                 # a shard's rows: the whole weight's amax, so each rank holds one process's bytes
                 [w_amax] = reduce_amaxes([tensor_amax(w_nk)], [(shard.group,)])
             wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
-            wq = wq.contiguous()
+            # row-major [V, K] with the layout forced, so inductor writes it once as a buffer that every
+            # chunk's GEMM reads (0.5 GB at Llama 3's head); a bare contiguous() of a node no output
+            # holds is inlined into one copy per reading GEMM
+            wq = column_major(wq.t()).t()
             operands = (xq, wq)
-        logits, stats = [], []
+        valid = labels != spec.ignore_index
+        n_valid = valid.sum()
+        g_sinv = None
+        if grads is not None:
+            # the loss's gradient for an upstream gradient of 1; the backward scales by the real one
+            dloss = torch.ones((), dtype=torch.float32, device=x2d.device)
+            if spec.reduction == "mean":
+                dloss = dloss / n_valid.clamp(min=1)
+            if recipe is not None:
+                if g_scale is None:
+                    # every |dz| <= dloss (module docstring): one scale for all chunks, known before any
+                    g_scale = fp8_max(recipe.fp8_format.dtype_for("grad_output")) / dloss.reshape(1)
+                g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
+        logits, stats, gs, db, g_amax = [], [], [], None, None
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
             z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0])
             if spec.logits_steps >= 0:
                 logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
-            stats.append(_row_stats(_apply_steps(z, spec.steps)[0], lc, spec, shard))
+            zl, tanhs = _apply_steps(z, spec.steps)
+            stat = _row_stats(zl, lc, spec, shard)
+            if grads is None:
+                stats.append(stat)
+                continue
+            if shard is not None:   # the chunk's whole-row logsumexp before its gradient, [c]-sized all-reduces
+                stat = combine_row_stats(*stat, shard)
+            stats.append(stat)
+            dzl = _logit_grad(zl, stat[0], lc, lc != spec.ignore_index, dloss, spec, shard)
+            dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
+            if grads[2]:
+                part = dz.float().sum(0)
+                db = part if db is None else db + part
+            if recipe is not None:
+                if carrier is not None:   # DelayedScaling records the amax of what it quantizes
+                    amax = tensor_amax(dz)
+                    g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
+                dz = cast_to_fp8(dz, g_scale, recipe.fp8_format.dtype_for("grad_output")).contiguous()
+            gs.append(dz)
         lse, target = torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats])
         zsum = torch.cat([s[2] for s in stats]) if spec.label_smoothing else None
-        if shard is not None:   # this rank's vocab slice -> the whole rows, [M]-sized all-reduces
+        if shard is not None and grads is None:   # this rank's vocab slice -> the whole rows, [M]-sized all-reduces
             lse, target, zsum = combine_row_stats(lse, target, zsum, shard)
-        valid = labels != spec.ignore_index
-        rows, miss = _row_losses(lse, target, zsum, valid, w_nk.shape[0] if shard is None else shard.vocab, spec)
+        rows = _row_losses(lse, target, zsum, valid, w_nk.shape[0] if shard is None else shard.vocab, spec)
         out_dtype = ctx.dtypes[0]
         for kind, value in spec.steps:
             out_dtype = value if kind == "cast" else out_dtype
-        n_valid = valid.sum()
         loss = rows.sum() / n_valid if spec.reduction == "mean" else rows.sum()
-        # the largest |dz| of a row, over |dloss|, is 1 - p(label) when nothing else shapes dz
-        # (without label smoothing or a soft-cap): the backward's exact amax before any dz exists
-        ctx.exact_amax = recipe is not None and _exact_amax(spec)
-        if ctx.exact_amax:
-            lse = torch.stack([lse, miss])
-        norm = (x2d, norm_w, mean, rstd) if spec.norm is not None else ()
-        if recipe is not None:
-            ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]), lse, labels, n_valid,
-                                  *((bias,) if bias is not None else ()), *((g_scale,) if g_scale is not None else ()),
-                                  *norm)
-        else:
-            ctx.save_for_backward(x2d, w_nk, lse, labels, n_valid, *((bias,) if bias is not None else ()))
-        ctx.has_g_scale = g_scale is not None
+        if grads is not None:
+            # every chunk's gradient in one [M, V] buffer (one byte a logit under FP8), each written once:
+            # the backward's dgrad GEMMs read its row slices and the weight gradient all of it.
+            # Autocast, when the op runs under it, has no rule for concatenating FP8 tensors.
+            with torch.autocast(x2d.device.type, enabled=False):
+                g_all = torch.cat(gs)
+            keep = dict(x=operands[0], x_sinv=x_sinv, w=operands[1], w_sinv=w_sinv, g=g_all, g_sinv=g_sinv, db=db,
+                        xw_amax=None if carrier is None else torch.cat([x_amax, w_amax]), g_amax=g_amax)
+            if spec.norm is not None:
+                keep.update(norm_x=x2d, norm_w=norm_w, mean=mean, rstd=rstd)
+            ctx.names = tuple(k for k, v in keep.items() if v is not None)
+            ctx.save_for_backward(*(v for v in keep.values() if v is not None))
         out = torch.cat(logits) if spec.logits_steps >= 0 else None
         if out is not None:
             ctx.mark_non_differentiable(out)
@@ -268,90 +311,44 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
     def backward(ctx, grad_loss, _grad_logits):
         spec, recipe = ctx.spec, ctx.spec.recipe
         x_dtype, w_dtype, b_dtype = ctx.dtypes
-        saved = list(ctx.saved_tensors)
-        if recipe is not None:
-            xq, x_sinv, wq, w_sinv, xw_amax, lse, labels, n_valid = saved[:8]
-            rest = saved[8:]
-            operands = (xq, wq)
-        else:
-            x2d, w_nk, lse, labels, n_valid = saved[:5]
-            rest = saved[5:]
-            operands, x_sinv, w_sinv = (x2d, w_nk), None, None
-        bias = rest.pop(0) if ctx.has_bias else None
-        g_scale = rest.pop(0) if ctx.has_g_scale else None
-        norm_saved = rest[:4] if spec.norm is not None else None
-
-        dloss = grad_loss.float()
-        if spec.reduction == "mean":
-            dloss = dloss / n_valid.clamp(min=1)
-        need_dx, need_dw, need_db = ctx.needs_input_grad[0], ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        if spec.norm is not None:   # the layer's input gradient feeds the norm's backward, in fp32
-            need_dx = need_dx or ctx.needs_input_grad[4] or ctx.needs_input_grad[5]
-        dx_dtype = torch.float32 if spec.norm is not None else x_dtype
-        if ctx.exact_amax:
-            lse, miss = lse[0], lse[1]
-        g_sinv = None
-        if recipe is not None:
-            if g_scale is None and ctx.exact_amax:
-                # dz's amax as the unfused path finds it on dz in the layer's dtype
-                amax = (miss.max() * dloss.abs()).to(x_dtype).float().reshape(1)
-                g_scale = current_scale(amax, "grad_output", recipe)
-            elif g_scale is None:
-                # every |dz| <= |dloss| (module docstring): a scale known before any dz exists
-                bound = dloss.abs().reshape(1)
-                g_scale = torch.where(bound > 0, fp8_max(recipe.fp8_format.dtype_for("grad_output")) / bound, 1.0)
-            g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
-        dxs, gs, db, g_amax = [], [], None, None
-        # the weight's column-major FP8 copy for every chunk's dgrad, made once: inductor keeps one
-        # copy per call site ([V, K] FP8, 0.5 GB at Llama 3's head, written again for each chunk)
-        wq_cm = column_major(wq) if recipe is not None and need_dx else None
-        for xc, lc, lsec in zip(operands[0].tensor_split(ctx.chunks), labels.tensor_split(ctx.chunks),
-                                lse.tensor_split(ctx.chunks)):
-            z = torch.ops.te_compile.recompute_logits(xc, operands[1], x_sinv, w_sinv, bias, x_dtype)
-            zl, tanhs = _apply_steps(z, spec.steps)
-            dzl = _logit_grad(zl, lsec, lc, lc != spec.ignore_index, dloss, spec, ctx.shard)
-            dz = _steps_backward(dzl.to(zl.dtype), z, spec.steps, tanhs)   # [c, V] in the layer's dtype
-            if need_db:
-                part = dz.float().sum(0)
-                db = part if db is None else db + part
-            if recipe is not None:
-                amax = tensor_amax(dz)
-                g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
-                dz = quantize_per_tensor(dz, "grad_output", recipe, g_scale, amax)[0].contiguous()
-            if need_dw:
-                gs.append(dz)
-            elif need_dx:
-                dxs.append(_dgrad(dz, operands[1], wq_cm, g_sinv, w_sinv, dx_dtype))
-        dw = None
+        saved = dict(zip(ctx.names, ctx.saved_tensors))
+        need_dx, need_dw, need_db = ctx.grads
+        dx_dtype = torch.float32 if spec.norm is not None else x_dtype   # a fused norm's backward reads fp32
+        x, w, g_all = saved["x"], saved["w"], saved["g"]
+        # the forward's gradient is for an upstream gradient of 1: the real one [] scales the GEMMs'
+        # outputs, folded into the FP8 GEMMs' scale_inv (no pass over the [M, V] gradient)
+        grad = grad_loss.float()
+        g_sinv = saved["g_sinv"] * grad if recipe is not None else None
+        dx = dw = db = None
+        if need_dx:
+            # the weight's column-major FP8 copy for every chunk's dgrad, made once: inductor keeps one
+            # copy per call site ([V, K] FP8, 0.5 GB at Llama 3's head, written again for each chunk).
+            # Each chunk's dgrad reads its rows of the one [M, V] gradient.
+            wq_cm = column_major(w) if recipe is not None else None
+            dx = torch.cat([_dgrad(g, w, wq_cm, g_sinv, saved.get("w_sinv"), dx_dtype)
+                            for g in g_all.tensor_split(ctx.chunks)])
+            dx = (dx if recipe is not None else dx * grad).to(dx_dtype)
         if need_dw:
-            # One GEMM over every row, as the unfused path computes it, from the chunks' gradients kept
-            # ([M, V]: one byte a logit under FP8). Per-chunk partial products added up would each be
-            # a [V, K] fp32 buffer, and inductor fuses the chain of adds into one kernel that reads
-            # them all: 16 of them alive at once at Llama 3's head (V 128256, K 4096, 8192 tokens),
-            # 34 GB against this 1 GB.
-            # autocast, when the backward runs under it, has no rule for concatenating FP8 tensors
+            # One GEMM over every row, as the unfused path computes it. Per-chunk partial products added
+            # up would each be a [V, K] fp32 buffer, and inductor fuses the chain of adds into one kernel
+            # that reads them all: 16 of them alive at once at Llama 3's head (V 128256, K 4096, 8192
+            # tokens), 34 GB against this 1 GB.
             with torch.autocast(grad_loss.device.type, enabled=False):
-                g_all = torch.cat(gs)
-                dw = (g_all.t() @ operands[0] if recipe is None
-                      else fp8_gemm(g_all.t().contiguous(), column_major(operands[0]), g_sinv, x_sinv,
+                dw = (g_all.t() @ x * grad if recipe is None
+                      else fp8_gemm(g_all.t().contiguous(), column_major(x), g_sinv, saved["x_sinv"],
                                     out_dtype=torch.float32))
-            if need_dx:
-                # each chunk's dgrad reads its rows of the concatenated gradient, so a chunk's gradient
-                # is written once (into it), not once for its dgrad and again for the concatenation
-                dxs = [_dgrad(g, operands[1], wq_cm, g_sinv, w_sinv, dx_dtype) for g in g_all.tensor_split(ctx.chunks)]
-        dx = torch.cat(dxs).to(dx_dtype) if need_dx else None
-        dw = dw.to(w_dtype) if need_dw else None
-        db = db.to(b_dtype) if need_db else None
+            dw = dw.to(w_dtype)
+        if need_db:
+            db = (saved["db"] * grad).to(b_dtype)
         dnw = dnb = None
-        if norm_saved is not None and dx is not None:
-            x2d, norm_w, mean, rstd = norm_saved
-            dx, dnw, dnb = norm_backward(dx, x2d, norm_w, mean, rstd, spec.norm)
+        if spec.norm is not None and dx is not None:
+            dx, dnw, dnb = norm_backward(dx, saved["norm_x"], saved["norm_w"], saved["mean"], saved["rstd"], spec.norm)
             has_w, has_b = ctx.has_norm
             dnw, dnb = (dnw if has_w else None), (dnb if has_b else None)
         carrier_grad = None
-        if recipe is not None and ctx.needs_input_grad[10]:
-            carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, db, None, dnw, dnb, None, None, None, None, carrier_grad, None, None, None
+        if "xw_amax" in saved and ctx.needs_input_grad[11]:
+            carrier_grad = torch.cat([saved["xw_amax"], saved["g_amax"]])
+        return dx, dw, db, None, dnw, dnb, None, None, None, None, None, carrier_grad, None, None, None
 
 
 def _dgrad(g, w, wq_cm, g_sinv, w_sinv, out_dtype) -> torch.Tensor:
@@ -369,21 +366,6 @@ def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
         return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
     z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype)
     return z if bias is None else z + bias
-
-
-@torch.library.custom_op("te_compile::recompute_logits", mutates_args=())
-def recompute_logits(xc: torch.Tensor, w: torch.Tensor, x_sinv: Optional[torch.Tensor],
-                     w_sinv: Optional[torch.Tensor], bias: Optional[torch.Tensor],
-                     out_dtype: torch.dtype) -> torch.Tensor:
-    """The backward's chunk logits, the forward's GEMM behind an opaque op. Traced as plain ops, the
-    backward's recomputation would be the forward's to AOTAutograd's CSE, which merges the two, and
-    the partitioner would then save every chunk's [c, V] logits for the backward."""
-    return _logits(xc, w, x_sinv, w_sinv, bias, out_dtype)
-
-
-@recompute_logits.register_fake
-def _(xc, w, x_sinv, w_sinv, bias, out_dtype):
-    return xc.new_empty((xc.shape[0], w.shape[0]), dtype=out_dtype if x_sinv is not None else xc.dtype)
 
 
 class LinearCrossEntropyLowering:
@@ -452,9 +434,17 @@ class LinearCrossEntropyLowering:
         m = x2d.shape[0]
         rows = chunk_rows(size_hint(m), x2d.shape[1], w_nk.shape[0], spec.chunk)
         chunks = max(1, -(-size_hint(m) // rows))
+        delayed = delayed or (None,) * 4
+        # the gradients a backward will want, or None when none will follow (no dz is computed then)
+        grads = None
+        if torch.is_grad_enabled():
+            grads = (x2d.requires_grad or any(t is not None and t.requires_grad for t in (norm_w, norm_b)),
+                     w_nk.requires_grad, bias is not None and bias.requires_grad)
+            if not any(grads) and not (delayed[0] is not None and delayed[0].requires_grad):
+                grads = None
         loss, logits = LinearCrossEntropyFunction.apply(x2d, w_nk, bias, labels.reshape(-1), norm_w, norm_b,
                                                         spec, chunks, plan.shard if plan else None, x_full,
-                                                        *(delayed or (None,) * 4))
+                                                        grads, *delayed)
         if logits is not None:
             logits = logits.reshape(*logits_shape[:-1], w_nk.shape[0])
         if plan is not None:

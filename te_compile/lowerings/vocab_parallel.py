@@ -11,15 +11,18 @@ logits' sum. Two all-reduces of [tokens]-sized values then give every rank the w
     m = max_r lse_r                                         (MAX, [M])
     lse = m + log(sum_r exp(lse_r - m)),  target, sum(z)    (SUM, one [3, M] buffer)
 
-The backward needs no collective of its own: a rank's dz [c, V / R] is its shard's columns of the
-whole dz (softmax over the global lse; the one-hot only where the label falls in the shard), so dw
-and db are its shard's rows, and dx = dz @ w_shard is a partial sum that the input's DTensor reduces
-(the input's gradient is Partial(sum) over the vocab dim, as for any column-parallel linear).
+When a backward will follow, the forward computes each chunk's gradient while its logits are at
+hand, so it combines each chunk's values as the chunk is done ([c]-sized all-reduces, the same
+values row for row). The gradient needs no collective of its own: a rank's dz [c, V / R] is its
+shard's columns of the whole dz (softmax over the global lse; the one-hot only where the label falls
+in the shard), so dw and db are its shard's rows, and dx = dz @ w_shard is a partial sum that the
+input's DTensor reduces (the input's gradient is Partial(sum) over the vocab dim, as for any
+column-parallel linear).
 
 FP8 (per-tensor recipes): x is replicated, so every rank finds the same amax; the weight's amax is
 all-reduced (MAX) over the vocab dim, as for every column-parallel linear, so the shards hold one
-process's bytes; dz's scale comes from 1 - p(label) or |dloss|, both global values once the row
-statistics are combined. Delayed scaling records local amaxes, reduced by the graph's one update
+process's bytes; dz's scale comes from the bound |dz| <= dloss, the same on every rank (the valid-
+token count comes from the labels, which every rank holds). Delayed scaling records local amaxes, reduced by the graph's one update
 (the output layer's weight is registered with the vocab dim's group by the linear pass).
 
 Supported placements: x Replicate on every mesh dim; w Shard(vocab) on one mesh dim, Replicate on

@@ -270,11 +270,11 @@ def fuse_linear_cross_entropy(ctx: PassContext, scope: GraphScope) -> int:
             what += f", vocab parallel: [tokens, {local}] logits per rank"
             collectives = (f"all-reduce over {plan.shard.group}: per token max (MAX), sum-exp and target logit "
                            f"(SUM){'; weight amax (MAX)' if recipe is not None and not recipe.delayed() else ''}")
-        saved = "x in FP8" if recipe is not None else "x"
+        saved = ", both in FP8" if recipe is not None else ""
         note = ("; the logits are still computed for the model's output (they do not require grad)"
                 if path.exposed is not None else "")
-        record(True, f"fused with {layer_fqn or 'the output layer'} ({what}): {chunk}-row chunks, saving {saved} "
-                     f"and fp32 statistics per token, no [tokens, {vocab}] logits{note}", label, collectives)
+        record(True, f"fused with {layer_fqn or 'the output layer'} ({what}): {chunk}-row chunks, the logits' gradient "
+                     f"made in the forward and saved with x{saved}, no [tokens, {vocab}] logits{note}", label, collectives)
         _replace(scope.graph, node, path, LinearCrossEntropyLowering(spec),
                  (x, weight, bias, args["target"], None, None, *extra))
         count += 1
