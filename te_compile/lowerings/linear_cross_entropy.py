@@ -259,7 +259,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
         logits, stats, gs, db, g_amax = [], [], [], None, None
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
-            z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0])
+            z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0],
+                        fast_accum=recipe is not None and recipe.fast_accumulation("fprop"))
             if spec.logits_steps >= 0:
                 logits.append(_apply_steps(z, spec.steps[:spec.logits_steps])[0])
             zl, tanhs = _apply_steps(z, spec.steps)
@@ -359,12 +360,13 @@ def _dgrad(g, w, wq_cm, g_sinv, w_sinv, out_dtype) -> torch.Tensor:
     return fp8_gemm(g, wq_cm, g_sinv, w_sinv, out_dtype=out_dtype)
 
 
-def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype) -> torch.Tensor:
+def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype, fast_accum: bool = False) -> torch.Tensor:
     """One chunk's logits z = xc @ w.T (+ bias) in ``out_dtype``: the FP8 GEMM of the quantized bytes
-    (x_sinv, w_sinv: their scale_inv [1]), or the high-precision product (x_sinv None)."""
+    (x_sinv, w_sinv: their scale_inv [1]; ``fast_accum``: the recipe's forward GEMM setting), or the
+    high-precision product (x_sinv None)."""
     if x_sinv is None:
         return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
-    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype)
+    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype, fast_accum=fast_accum)
     return z if bias is None else z + bias
 
 
