@@ -49,10 +49,10 @@ def _record_gemms():
     calls = []
     real = fp8_linear.fp8_gemm
 
-    def recording(a, b, a_scale_inv, b_scale_inv, out_dtype):
+    def recording(a, b, a_scale_inv, b_scale_inv, out_dtype, **options):
         calls.append((a.view(torch.uint8).clone(), b.view(torch.uint8).clone(), a_scale_inv.clone(),
                       b_scale_inv.clone()))
-        return real(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype)
+        return real(a, b, a_scale_inv, b_scale_inv, out_dtype=out_dtype, **options)
 
     fp8_linear.fp8_gemm = recording
     return calls, lambda: setattr(fp8_linear, "fp8_gemm", real)

@@ -43,15 +43,20 @@ def _row_major(t: torch.Tensor) -> torch.Tensor:
     return force.default(t, (t.shape[1], 1))
 
 
-def column_major(t: torch.Tensor) -> torch.Tensor:
+def column_major(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
     """Same values, column-major layout: the b operand of _scaled_mm.
 
-    The layout is forced, not only asked for: inductor then writes the copy once as a buffer of its
-    own, which every GEMM that reads it shares (a plain transpose-copy is inlined into a copy per
-    reading GEMM: 16 copies of the output layer's [V, K] weight, one per loss chunk's dgrad)."""
+    ``shared``: several GEMMs read the copy (every loss chunk's dgrad reads the output layer's
+    weight). Its layout is then forced, and inductor writes it once as a buffer of its own that they
+    share; a plain transpose-copy is inlined into a copy per reading GEMM (16 copies of a [V, K] FP8
+    weight). Not forced for one reader: a forced copy is a node of its own to the partitioner, which
+    then saves other tensors around it (under fp8_mha it kept a second per-head FP8 copy of
+    attention's output)."""
     out = t.t().contiguous().t()
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
-    return out if force is None else force.default(out, (1, t.shape[0]))
+    if not shared or force is None:
+        return out
+    return force.default(out, (1, t.shape[0]))
 
 
 def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:

@@ -92,8 +92,8 @@ def _mm(a8: torch.Tensor, b8_nk: torch.Tensor, a_sinv, b_sinv, out_dtype) -> tor
 
 
 def _rows_column_major(x8: torch.Tensor) -> torch.Tensor:
-    """x8 [..., K] as the [rows, K] column-major operand of a wgrad."""
-    return column_major(x8.reshape(-1, x8.shape[-1]))
+    """x8 [..., K] as the [rows, K] column-major operand that several wgrads read."""
+    return column_major(x8.reshape(-1, x8.shape[-1]), shared=True)
 
 
 def _wgrad(g8: torch.Tensor, x_cm: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.Tensor:
@@ -193,7 +193,8 @@ class _Row(torch.autograd.Function):
         gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, delayed[1] if delayed else None)
         g8 = all_gather_seq(gq.contiguous(), ctx.dim, ctx.group)   # g is split along the sequence
         dx = _mm(g8, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        dw = _wgrad(g8, _rows_column_major(xq), g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
+        dw = (_wgrad(g8, column_major(xq.reshape(-1, xq.shape[-1])), g_sinv, x_sinv, ctx.dtypes[1])
+              if ctx.needs_input_grad[1] else None)
         carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[5] else None
         return dx, dw, None, None, None, carrier_grad, None, None, None
 

@@ -242,7 +242,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # row-major [V, K] with the layout forced, so inductor writes it once as a buffer that every
             # chunk's GEMM reads (0.5 GB at Llama 3's head); a bare contiguous() of a node no output
             # holds is inlined into one copy per reading GEMM
-            wq = column_major(wq.t()).t()
+            wq = column_major(wq.t(), shared=True).t()
             operands = (xq, wq)
         valid = labels != spec.ignore_index
         n_valid = valid.sum()
@@ -325,7 +325,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # the weight's column-major FP8 copy for every chunk's dgrad, made once: inductor keeps one
             # copy per call site ([V, K] FP8, 0.5 GB at Llama 3's head, written again for each chunk).
             # Each chunk's dgrad reads its rows of the one [M, V] gradient.
-            wq_cm = column_major(w) if recipe is not None else None
+            wq_cm = column_major(w, shared=True) if recipe is not None else None
             dx = torch.cat([_dgrad(g, w, wq_cm, g_sinv, saved.get("w_sinv"), dx_dtype)
                             for g in g_all.tensor_split(ctx.chunks)])
             dx = (dx if recipe is not None else dx * grad).to(dx_dtype)
