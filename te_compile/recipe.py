@@ -309,9 +309,10 @@ class Float8CurrentScaling(Recipe):
     fp8_activation_input: bool = field(default=False, kw_only=True)
     # The forward GEMM accumulates without cuBLAS's periodic promotion to fp32 (torch._scaled_mm's
     # use_fast_accum), the gradient GEMMs with it: TransformerEngine's split-accumulator defaults and
-    # torchao's. Measured on an H100, 2-18% faster at Llama 3 8B's and Mixtral's forward shapes; the
-    # forward's products are single tiles of K, so the lost precision is the accumulator's over K.
-    # No effect on CPU, whose FP8 GEMM accumulates in fp32.
+    # torchao's. Measured on an H100, 3-18% faster at Llama 3 8B's and Mixtral's forward shapes. The
+    # cost is precision over long K: Hopper's FP8 tensor cores accumulate in fewer bits than fp32, and
+    # without promotion the error grows with K; the gradient GEMMs, whose wgrad K is the token count,
+    # keep the promotion. No effect on CPU, whose FP8 GEMM accumulates in fp32.
     fprop_fast_accum: bool = field(default=True, kw_only=True)
 
     def __post_init__(self):
