@@ -36,14 +36,12 @@ def _ptxas() -> tuple[bool, str]:
 _OK, _WHY = _ptxas()
 
 
-@pytest.fixture(scope="module")
-def offline(tmp_path_factory) -> dict:
-    """summary.json of one offline.py run over te's GPT block, every kernel built for sm90."""
-    out = tmp_path_factory.mktemp("offline")
+def _run_offline(out, *args: str) -> dict:
+    """summary.json of one offline.py run with ``args``, its code and tables under ``out``, plus its exit
+    code, stdout and ``out``."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
-    cmd = [sys.executable, os.path.join(BENCHMARKS, "offline.py"), "--cases", "block", "--block-size", "2x64x256",
-           "--heads", "4", "--providers", PROVIDER, "--compile-sm90", "--sm90-configs", "first", "--out", str(out)]
+    cmd = [sys.executable, os.path.join(BENCHMARKS, "offline.py"), *args, "--providers", PROVIDER, "--out", str(out)]
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     summary = out / "summary.json"
     assert summary.exists(), (f"offline.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n"
@@ -51,6 +49,13 @@ def offline(tmp_path_factory) -> dict:
     data = json.loads(summary.read_text())
     data["returncode"], data["stdout"], data["out"] = run.returncode, run.stdout, out
     return data
+
+
+@pytest.fixture(scope="module")
+def offline(tmp_path_factory) -> dict:
+    """summary.json of one offline.py run over te's GPT block, every kernel built for sm90."""
+    return _run_offline(tmp_path_factory.mktemp("offline"), "--cases", "block", "--block-size", "2x64x256",
+                        "--heads", "4", "--compile-sm90", "--sm90-configs", "first")
 
 
 @pytest.mark.skipif(not _OK, reason=f"cannot build for sm90 here: {_WHY}")
@@ -91,16 +96,8 @@ def test_counts_table_structure(offline):
 def offline_step(tmp_path_factory) -> dict:
     """summary.json of offline.py over the Llama-shaped step (one layer, the fused output layer + loss)
     at 1024 tokens (the loss in 16 chunks): fake tensors, no storage."""
-    out = tmp_path_factory.mktemp("offline_step")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env.update(OMP_NUM_THREADS="1", TORCHINDUCTOR_CACHE_DIR=str(out / "inductor"), TRITON_CACHE_DIR=str(out / "triton"))
-    cmd = [sys.executable, os.path.join(BENCHMARKS, "offline.py"), "--cases", "step", "--tokens", "1024",
-           "--layers", "1", "--providers", PROVIDER, "--out", str(out)]
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
-    summary = out / "summary.json"
-    assert summary.exists(), (f"offline.py exited {run.returncode} without a summary:\n{run.stdout[-3000:]}\n"
-                              f"{run.stderr[-3000:]}")
-    return json.loads(summary.read_text())
+    return _run_offline(tmp_path_factory.mktemp("offline_step"), "--cases", "step", "--tokens", "1024",
+                        "--layers", "1")
 
 
 def test_no_fp8_operand_is_written_once_per_reader(offline_step):

@@ -91,9 +91,9 @@ def _mm(a8: torch.Tensor, b8_nk: torch.Tensor, a_sinv, b_sinv, out_dtype) -> tor
     return y.reshape(*a8.shape[:-1], b8_nk.shape[0])
 
 
-def _rows_column_major(x8: torch.Tensor) -> torch.Tensor:
-    """x8 [..., K] as the [rows, K] column-major operand that several wgrads read."""
-    return column_major(x8.reshape(-1, x8.shape[-1]), shared=True)
+def _rows_column_major(x8: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """x8 [..., K] as the [rows, K] column-major operand of a wgrad (``shared``: several read it)."""
+    return column_major(x8.reshape(-1, x8.shape[-1]), shared=shared)
 
 
 def _wgrad(g8: torch.Tensor, x_cm: torch.Tensor, g_sinv, x_sinv, dtype) -> torch.Tensor:
@@ -161,7 +161,7 @@ class _Column(torch.autograd.Function):
         wqs, w_sinvs, delayed = rest[:n], rest[n:2 * n], rest[2 * n:]
         g_scale = delayed[1] if delayed else None
         dx, dws, g_amax = None, [], None
-        x_cm = _rows_column_major(x8) if any(ctx.needs_input_grad[8 + i] for i in range(n)) else None
+        x_cm = _rows_column_major(x8, shared=True) if any(ctx.needs_input_grad[8 + i] for i in range(n)) else None
         for i, (g, wq, w_sinv) in enumerate(zip(gs, wqs, w_sinvs)):
             gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, g_scale)   # g is split along N
             if ctx.needs_input_grad[0]:
@@ -193,8 +193,7 @@ class _Row(torch.autograd.Function):
         gq, g_sinv, g_amax = _grad_operand(g, ctx.recipe, ctx.group, delayed[1] if delayed else None)
         g8 = all_gather_seq(gq.contiguous(), ctx.dim, ctx.group)   # g is split along the sequence
         dx = _mm(g8, column_major(wq).t(), g_sinv, w_sinv, ctx.dtypes[0]) if ctx.needs_input_grad[0] else None
-        dw = (_wgrad(g8, column_major(xq.reshape(-1, xq.shape[-1])), g_sinv, x_sinv, ctx.dtypes[1])
-              if ctx.needs_input_grad[1] else None)
+        dw = _wgrad(g8, _rows_column_major(xq), g_sinv, x_sinv, ctx.dtypes[1]) if ctx.needs_input_grad[1] else None
         carrier_grad = torch.cat([delayed[0], g_amax]) if delayed and ctx.needs_input_grad[5] else None
         return dx, dw, None, None, None, carrier_grad, None, None, None
 
