@@ -8,7 +8,7 @@ Two kinds of reduction keep FP8 scales right when a model runs on several ranks:
 - Current scaling computes a tensor's scale from its own amax. For a tensor sharded across ranks
   (a row-parallel input, sequence-parallel activations, a sharded weight) the local amax is only
   part of it: the amax is all-reduced over the group the tensor is sharded on first, so each rank's
-  FP8 bytes equal those of one process quantizing the whole tensor (lowerings/sharded_linear.py).
+  FP8 bytes equal those of one process quantizing the whole tensor (lowerings/linear_paths/sharded.py).
 
 The collective is a functional collective (``_c10d_functional.all_reduce`` + ``wait_tensor``): an
 ordinary node in the traced graph that inductor can schedule and overlap, under either compiler.

@@ -23,7 +23,7 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "te_compile"
 LAYERS = [
     ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
      "te_compile.report", "te_compile.eager_experts", "te_compile.library_warnings", "te_compile.numerics",
-     "te_compile.torchao_peer"],
+     "te_compile.torchao_peer", "te_compile.autocast"],
     ["te_compile.kernels"],
     ["te_compile.distributed", "te_compile.state", "te_compile.config", "te_compile.context_parallel",
      "te_compile.pipeline", "te_compile.memory"],
@@ -32,6 +32,8 @@ LAYERS = [
     ["te_compile.gemm"],
     # graph-only helpers: below every pass and lowering that may walk a graph
     ["te_compile.fx"],
+    # the ways one linear executes: below the lowerings that pick one (linear.py) or call its GEMMs
+    ["te_compile.lowerings.linear_paths"],
     ["te_compile.lowerings", "te_compile.fsdp", "te_compile.primary_weights", "te_compile.weight_cache",
      "te_compile.calibration", "te_compile.kv_cache"],
     ["te_compile.passes"],

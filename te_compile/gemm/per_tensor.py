@@ -145,7 +145,7 @@ def fp8_gemm(
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
               out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
     """``fp8_gemm`` as ``torch._scaled_mm`` always, the CPU included: the op inductor's micro-pipeline
-    TP pass looks for (async tensor parallelism, lowerings/async_tp_linear.py)."""
+    TP pass looks for (async tensor parallelism, lowerings/linear_paths/async_tp.py)."""
     sa = a_scale_inv.reshape(())
     sb = b_scale_inv.reshape(())
     a, b = _canonical_strides(a), _canonical_strides(b.t()).t()

@@ -22,7 +22,7 @@ from the saved input (one elementwise pass) instead of keeping [M, K] bytes aliv
 backward. Under the recipe's ``fp8_activation_input`` that input is itself saved in FP8 (E4M3, a scale
 from its own amax; per expert between MoE GEMMs), and backward reads the activation and the wgrad
 operand from the dequantized values. Per-tensor recipes (current and delayed scaling); GEMMs and
-scale handling are fp8_linear.py's.
+scale handling are linear_paths/per_tensor.py's.
 """
 
 from __future__ import annotations
@@ -33,14 +33,15 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from ..autocast import autocast_dtype
 from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
 from ..quantization import current_scale, quantize_per_tensor, quantize_rows_per_group
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
-from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
-from .linear import LinearLowering, autocast_dtype
+from .linear import LinearLowering
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction",
            "ActivationGroupedLinearLowering", "ActFp8GroupedLinearFunction", "activation"]
@@ -128,7 +129,7 @@ class ActivationLinearSpec:
 class ActFp8LinearFunction(torch.autograd.Function):
     """h [M, K] (u [M, K] for swiglu) -> y [M, N] = quantize(act(h, u)) @ quantize(w_nk).T.
 
-    carrier, x_scale, w_scale, g_scale: DelayedScaling's (see fp8_linear.Fp8LinearFunction), None
+    carrier, x_scale, w_scale, g_scale: DelayedScaling's (see linear_paths/per_tensor.py's Fp8LinearFunction), None
     under current scaling."""
 
     @staticmethod

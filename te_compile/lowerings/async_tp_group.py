@@ -2,7 +2,7 @@
 *weights, *biases) -> (y, ...)``.
 
 Sites such as wq, wk, wv (or w1, w3) read the same sequence-sharded activation. Apart, each would
-all-gather it; together (async_tp_linear.py's column form with several weights) they gather it once
+all-gather it; together (linear_paths/async_tp.py's column form with several weights) they gather it once
 in FP8 and inductor's micro-pipeline pass fuses that one gather with all their GEMMs. The specs are
 those each site would have had alone (same recipe and form; the pass groups only such sites).
 """
@@ -13,8 +13,9 @@ from typing import Optional
 
 import torch
 
-from .async_tp_linear import async_tp_column
-from .linear import LinearSpec, autocast_dtype
+from ..autocast import autocast_dtype
+from .linear import LinearSpec
+from .linear_paths.async_tp import async_tp_column
 
 __all__ = ["AsyncTpColumnGroupLowering"]
 

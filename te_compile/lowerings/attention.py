@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..kernels.fp8_attention import (
     E4M3,
     dequantize_heads,
@@ -51,7 +52,6 @@ from ..kernels.fp8_attention import (
     quantize_heads,
 )
 from ..recipe import Format, Recipe
-from .linear import autocast_dtype
 
 __all__ = ["AttentionSpec", "AttentionLowering", "Fp8AttentionFunction", "attention_grad_dtype", "attention_forward",
            "split_fp8_inputs"]

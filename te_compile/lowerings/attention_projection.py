@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..gemm.per_tensor import column_major
 from ..quantization import quantize_per_tensor
 from ..scaling import tensor_amax
@@ -29,8 +30,8 @@ from .attention import (
     attention_forward,
     split_fp8_inputs,
 )
-from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
-from .linear import LinearLowering, autocast_dtype
+from .linear import LinearLowering
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
 
@@ -48,7 +49,7 @@ class AttentionProjectionFunction(torch.autograd.Function):
 
     ``a_*``: the attention's DelayedScaling carrier and query / key / value / grad_output scales,
     ``l_*``: the projection's carrier and input / weight / grad_output scales (None under current
-    scaling), as fp8_attention.Fp8AttentionFunction and fp8_linear.Fp8LinearFunction take them."""
+    scaling), as fp8_attention.Fp8AttentionFunction and per_tensor.Fp8LinearFunction take them."""
 
     @staticmethod
     def forward(ctx, spec: AttentionProjectionSpec, q, k, v, mask, a_carrier, a_q, a_k, a_v, a_do,

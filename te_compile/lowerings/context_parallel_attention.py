@@ -33,12 +33,12 @@ from typing import Optional
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..context_parallel import load_balanced_positions
 from ..distributed import AmaxGroup, all_reduce
 from ..kernels.fp8_attention import (E4M3, dequantize_heads, fp8_attention_backward, fp8_attention_forward,
                                      quantize_heads)
 from ..scaling import cast_to_fp8, compute_scale
-from .linear import autocast_dtype
 
 __all__ = ["ContextParallelAttention", "ContextParallelLowering", "ContextParallelSpec"]
 

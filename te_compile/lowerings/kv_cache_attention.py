@@ -17,8 +17,8 @@ from typing import Optional
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..kernels.kv_cache_attention import kv_cache_attention
-from .linear import autocast_dtype
 
 __all__ = ["KvCacheAttentionSpec", "KvCacheAttentionLowering"]
 

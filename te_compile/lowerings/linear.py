@@ -2,10 +2,10 @@
 
 The backend replaces ``linear(x, w, b)`` (or ``addmm(b, x, w)`` with ``w: [in, out]``) by a call to
 a ``LinearLowering``: plain Python around autograd.Functions, so aot_autograd traces forward and
-backward. Per-tensor recipes go to fp8_linear.py (torch._scaled_mm), block-scaled recipes and
-CustomRecipe to quantized_linear.py (quantizer objects; native block-scaled GEMMs where the pass found
+backward. Per-tensor recipes go to linear_paths/per_tensor.py (torch._scaled_mm), block-scaled recipes and
+CustomRecipe to linear_paths/quantizer.py (quantizer objects; native block-scaled GEMMs where the pass found
 the device runs them, see gemm/block_probe.py, else dequantize-then-matmul). DTensor operands (tensor
-parallelism) run shard by shard through sharded_linear.py.
+parallelism) run shard by shard through linear_paths/sharded.py.
 """
 
 from __future__ import annotations
@@ -15,17 +15,18 @@ from typing import Optional
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..distributed import NO_GROUPS, AmaxGroup
 from ..gemm.per_tensor import fp8_gemm_kind
 from ..quantization import quantizer_factory
 from ..recipe import Recipe
-from .async_tp_linear import AsyncTp, async_tp_column, async_tp_row
-from .fp8_linear import Fp8LinearFunction
-from .quantized_linear import QuantizedLinearFunction
-from .rowwise_linear import rowwise_fp8_linear
-from .sharded_linear import plan_linear_sharding, sharded_linear
+from .linear_paths.async_tp import AsyncTp, async_tp_column, async_tp_row
+from .linear_paths.per_tensor import Fp8LinearFunction
+from .linear_paths.quantizer import QuantizedLinearFunction
+from .linear_paths.rowwise import rowwise_fp8_linear
+from .linear_paths.sharded import plan_linear_sharding, sharded_linear
 
-__all__ = ["LinearSpec", "LinearLowering", "gemm_kind", "autocast_dtype"]
+__all__ = ["LinearSpec", "LinearLowering", "gemm_kind"]
 
 
 @dataclass(frozen=True)
@@ -41,10 +42,10 @@ class LinearSpec:
     # plain tensors sharded by hand ([distributed] sharded_modules); DTensors bring their own
     amax_groups: tuple[tuple[AmaxGroup, ...], ...] = NO_GROUPS
     # inference graphs under [inference] activation_scaling = "row": one input scale per token,
-    # forward only (rowwise_linear.py)
+    # forward only (linear_paths/rowwise.py)
     rowwise: bool = False
     # [distributed] async_tp: a sequence-parallel site's collectives on FP8 data next to its _scaled_mm
-    # (async_tp_linear.py); x then arrives sequence-sharded (column) or y leaves so (row)
+    # (linear_paths/async_tp.py); x then arrives sequence-sharded (column) or y leaves so (row)
     async_tp: Optional[AsyncTp] = None
 
 
@@ -62,14 +63,6 @@ def gemm_kind(recipe: Recipe, native: bool = False, why: str = "", device: Optio
     if native:
         return f"{recipe.format_label}, native GEMMs (F.scaled_mm)"
     return f"{recipe.format_label}, emulated GEMMs (dequantize-then-matmul{'; ' + why if why else ''})"
-
-
-def autocast_dtype(x: torch.Tensor) -> Optional[torch.dtype]:
-    """The dtype autocast would run a linear in on ``x``'s device, or None outside autocast."""
-    device_type = x.device.type
-    if device_type not in ("cpu", "cuda") or not torch.is_autocast_enabled(device_type):
-        return None
-    return torch.get_autocast_dtype(device_type)
 
 
 class LinearLowering:

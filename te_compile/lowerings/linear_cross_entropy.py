@@ -64,6 +64,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from ..autocast import autocast_dtype
 from ..distributed import is_dtensor, reduce_amaxes
 from ..gemm.per_tensor import column_major, fp8_gemm
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
@@ -71,8 +72,7 @@ from ..norm_spec import NormSpec
 from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, fp8_max, tensor_amax
-from .fp8_linear import quantize_weight
-from .linear import autocast_dtype
+from .linear_paths.per_tensor import quantize_weight
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",

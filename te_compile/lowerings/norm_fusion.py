@@ -7,7 +7,7 @@ forward GEMM reads the same bytes; the high-precision output exists only when so
 the fused linears reads it (``spec.emit_hp``). Backward sums the consumers' dgrads in fp32 (plus the
 gradient of the high-precision output) and runs the norm's backward on the sum. Saved for backward:
 the norm input, mean and rstd [M] (fp32), the norm weight and the transposed FP8 operand; per
-consumer what fp8_linear.py saves for its weight.
+consumer what linear_paths/per_tensor.py saves for its weight.
 
 Per-tensor recipes only (current and delayed scaling). The quantized operand is what te's unfused
 path would quantize: the norm output, then the dtype casts between it and the linears
@@ -25,12 +25,12 @@ from typing import Optional, Sequence
 
 import torch
 
+from ..autocast import autocast_dtype
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import current_scale
 from ..recipe import Recipe
-from .fp8_linear import fp8_dgrad_wgrad, fp8_fprop
-from .linear import autocast_dtype
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
@@ -60,7 +60,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
 
     ``flat``: per consumer ``_PER_CONSUMER`` entries: weight [N_i, K] (already [out, in]), then
     delayed scaling's carrier and input / weight / grad_output scales (None under current scaling;
-    see fp8_linear.Fp8LinearFunction, whose GEMMs and numerics these are).
+    see linear_paths/per_tensor.py's Fp8LinearFunction, whose GEMMs and numerics these are).
     """
 
     @staticmethod

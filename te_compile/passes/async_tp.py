@@ -1,4 +1,4 @@
-"""Which tensor-parallel linear sites take the async-TP form (lowerings/async_tp_linear.py), and why not.
+"""Which tensor-parallel linear sites take the async-TP form (lowerings/linear_paths/async_tp.py), and why not.
 
 With ``[distributed] async_tp = true`` (or inductor's ``_micro_pipeline_tp`` set by the user), a
 linear on DTensors whose weight is split over one mesh dim (the TP dim; every other dim replicated)
@@ -26,7 +26,7 @@ from typing import Optional
 import torch.fx as fx
 
 from ..distributed import is_dtensor
-from ..lowerings.async_tp_linear import AsyncTp
+from ..lowerings.linear_paths.async_tp import AsyncTp
 from ..fx.matching import value_of
 from .sites import LinearSite
 

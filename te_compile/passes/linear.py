@@ -14,7 +14,7 @@ from ..distributed import (NO_GROUPS, describe_role_groups, is_dtensor, local_va
 from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.async_tp_group import AsyncTpColumnGroupLowering
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
-from ..lowerings.sharded_linear import plan_linear_sharding
+from ..lowerings.linear_paths.sharded import plan_linear_sharding
 from ..quantization import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
@@ -42,7 +42,7 @@ def _gemm_path(site: LinearSite, recipe, config) -> tuple[bool, str]:
 def _amax_reductions(ctx: PassContext, site: LinearSite, recipe) -> tuple[tuple, tuple, str]:
     """Across ranks: (per role, the groups the lowering all-reduces amaxes over for plain tensors
     sharded by hand; the groups DelayedScaling's update reduces this weight's amaxes over; the
-    report's text). DTensor operands bring their mesh dims (sharded_linear.py)."""
+    report's text). DTensor operands bring their mesh dims (lowerings/linear_paths/sharded.py)."""
     x, w = site.x.meta.get("example_value"), site.weight.meta.get("example_value")
     plan = plan_linear_sharding(x, w, site.fqn, w_in_out=site.weight_in_out)
     plain = NO_GROUPS

@@ -24,7 +24,7 @@ from typing import Optional
 import torch.fx as fx
 
 from ..distributed import is_dtensor
-from ..lowerings.linear import autocast_dtype
+from ..autocast import autocast_dtype
 from ..lowerings.linear_cross_entropy import LinearCrossEntropyLowering
 from ..lowerings.norm_fusion import NormLinearsLowering, NormLinearsSpec
 from ..report import SiteRecord

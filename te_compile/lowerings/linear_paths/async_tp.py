@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
-from ..distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
-from ..gemm.per_tensor import column_major, scaled_mm
-from ..quantization import quantize_per_tensor, weight_is_operand
-from ..scaling import tensor_amax
-from .fp8_linear import quantize_weight
+from ...distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
+from ...gemm.per_tensor import column_major, scaled_mm
+from ...quantization import quantize_per_tensor, weight_is_operand
+from ...scaling import tensor_amax
+from .per_tensor import quantize_weight
 
 __all__ = ["AsyncTp", "async_tp_column", "async_tp_row", "all_gather_seq", "reduce_scatter_seq"]
 

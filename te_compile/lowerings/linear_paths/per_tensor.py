@@ -13,7 +13,7 @@ GEMMs (HYBRID: E4M3 forward tensors, E5M2 gradients; all E4M3 for the E4M3 forma
 Only the FP8 copies of x and w are saved for backward (1 byte per element instead of 2 or 4).
 Bias and its gradient stay in high precision.
 
-On shards of tensors split across ranks (sharded_linear.py) current scaling all-reduces the amaxes
+On shards of tensors split across ranks (sharded.py) current scaling all-reduces the amaxes
 of the sharded operands (MAX) before computing their scales: x and w in one buffer in forward, g in
 backward; ``groups`` names the groups per role and is empty in one process.
 """
@@ -22,11 +22,11 @@ from __future__ import annotations
 
 import torch
 
-from ..distributed import reduce_amaxes
-from ..gemm.per_tensor import column_major, fp8_gemm
-from ..quantization import quantize_per_tensor, weight_is_operand
-from ..scaling import tensor_amax
-from ..tensor.quantized_tensor import QuantizedTensor
+from ...distributed import reduce_amaxes
+from ...gemm.per_tensor import column_major, fp8_gemm
+from ...quantization import quantize_per_tensor, weight_is_operand
+from ...scaling import tensor_amax
+from ...tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad"]
 
@@ -89,7 +89,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     """Per-tensor FP8 (current or delayed scaling). x2d: [M, K], w_nk: [N, K].
 
     ``groups``: per role (input, weight, grad_output) the groups whose amax all-reduce current scaling
-    needs (sharded_linear.py); NO_GROUPS in one process and for delayed scaling, whose update node
+    needs (sharded.py); NO_GROUPS in one process and for delayed scaling, whose update node
     reduces the amaxes.
 
     Delayed scaling passes the three roles' scales (fp32 [1] each: input, weight, grad_output), read

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 
 import torch
 
-from ..distributed import AmaxGroup, is_dtensor, merge_role_groups, mesh_dim_group, minimal_groups
+from ...distributed import AmaxGroup, is_dtensor, merge_role_groups, mesh_dim_group, minimal_groups
 
 __all__ = ["LinearSharding", "plan_linear_sharding", "sharded_linear"]
 

@@ -22,11 +22,11 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..distributed import NO_GROUPS
-from ..gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
-from ..quantization import quantize_copies
-from ..recipe import GEMM_ROLES
-from ..tensor.quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved
+from ...distributed import NO_GROUPS
+from ...gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
+from ...quantization import quantize_copies
+from ...recipe import GEMM_ROLES
+from ...tensor.quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved
 
 __all__ = ["QuantizedLinearFunction", "COLUMNWISE_ROW_MULTIPLE"]
 
@@ -75,7 +75,7 @@ def _pad_rows(t: torch.Tensor) -> torch.Tensor:
 class QuantizedLinearFunction(torch.autograd.Function):
     """y = x2d @ w_nk.T with every GEMM operand quantized by ``factory(role)``; ``native``: run the
     GEMMs through F.scaled_mm (only where gemm/block_probe.py says the device can); ``groups``: per role,
-    where the tensor-level amax is all-reduced on shards (sharded_linear.py)."""
+    where the tensor-level amax is all-reduced on shards (sharded.py)."""
 
     @staticmethod
     def forward(ctx, x2d, w_nk, factory, native=False, groups=NO_GROUPS):
