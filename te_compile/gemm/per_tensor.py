@@ -20,12 +20,13 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind"]
+__all__ = ["fp8_gemm", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind",
+           "CUDA_ALIGN"]
 
 log = logging.getLogger(__name__)
 
 # cuBLASLt FP8 GEMMs need the contraction dim and the output columns in multiples of 16.
-_CUDA_ALIGN = 16
+CUDA_ALIGN = 16
 
 
 def uses_native_fp8_gemm(device: torch.device) -> bool:
@@ -152,7 +153,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
     if a.device.type == "cuda":
         # Zero rows/columns along K change nothing; pad K (e.g. the token count in wgrad) to 16.
         k = a.shape[1]
-        pad = (-k) % _CUDA_ALIGN
+        pad = (-k) % CUDA_ALIGN
         if pad:
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()

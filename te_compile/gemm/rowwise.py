@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from .per_tensor import _CUDA_ALIGN, uses_native_fp8_gemm
+from .per_tensor import CUDA_ALIGN, uses_native_fp8_gemm
 
 __all__ = ["fp8_gemm_rowwise", "fp8_gemm_rowwise_reference"]
 
@@ -27,7 +27,7 @@ def fp8_gemm_rowwise(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor
                      out_dtype: torch.dtype) -> torch.Tensor:
     """``fp8_gemm_rowwise_reference``'s product: a row-major [M, K], b column-major [K, N] (the
     transpose of a row-major [N, K]), as torch._scaled_mm needs them."""
-    if a.device.type != "cuda" or not uses_native_fp8_gemm(a.device) or a.shape[1] % _CUDA_ALIGN:
+    if a.device.type != "cuda" or not uses_native_fp8_gemm(a.device) or a.shape[1] % CUDA_ALIGN:
         return fp8_gemm_rowwise_reference(a, b, a_scale_inv, b_scale_inv, out_dtype)
     y = torch._scaled_mm(a, b, scale_a=a_scale_inv.contiguous(), scale_b=b_scale_inv.contiguous(),
                          out_dtype=torch.bfloat16)
