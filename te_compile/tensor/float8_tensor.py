@@ -26,14 +26,14 @@ import torch
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, implements
 from ..scaling import cast_to_fp8, compute_scale, fp8_max, tensor_amax
 
-__all__ = ["Float8TensorStorage", "Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer"]
+__all__ = ["Float8TensorStorage", "Float8Tensor", "Float8Quantizer", "Float8CurrentScalingQuantizer", "transpose_2d"]
 
 aten = torch.ops.aten
 
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-def _transpose_2d(data: torch.Tensor) -> torch.Tensor:
+def transpose_2d(data: torch.Tensor) -> torch.Tensor:
     """[..., K] -> [K, numel // K] contiguous: the operand layout of GEMMs that contract dim 0."""
     last = data.shape[-1] if data.dim() > 0 else 1
     return data.reshape(-1, last).t().contiguous()
@@ -104,7 +104,7 @@ class Float8TensorStorage(QuantizedTensorStorage):
 
     def update_usage(self, rowwise_usage: Optional[bool] = None, columnwise_usage: Optional[bool] = None):
         if columnwise_usage and self._transpose is None:
-            self._transpose = _transpose_2d(self._data)
+            self._transpose = transpose_2d(self._data)
         if rowwise_usage and self._data is None:
             self._data = self._rowwise_data()
         if rowwise_usage is False:
@@ -329,7 +329,7 @@ class _Float8QuantizerBase(Quantizer):
         data = cast_to_fp8(tensor, scale, self.dtype).view(torch.uint8)
         # True division, as the scale itself: 1/scale correctly rounded.
         scale_inv = torch.div(torch.ones_like(scale), scale)
-        transpose = _transpose_2d(data) if self.columnwise_usage else None
+        transpose = transpose_2d(data) if self.columnwise_usage else None
         return (data if self.rowwise_usage else None), transpose, scale_inv
 
     def _quantize(self, tensor: torch.Tensor):
@@ -352,7 +352,7 @@ class _Float8QuantizerBase(Quantizer):
             old = dst._rowwise_data()
             data = torch.where(skip, old, data)
             scale_inv = torch.where(skip, dst._scale_inv, scale_inv)
-            transpose = None if transpose is None else _transpose_2d(data)
+            transpose = None if transpose is None else transpose_2d(data)
         else:
             data, transpose, scale_inv = self._buffers(src)
         if dst._data is None or data is None:
@@ -371,7 +371,7 @@ class _Float8QuantizerBase(Quantizer):
         shape = torch.Size(shape)
         device = torch.device(device) if device is not None else self._default_device()
         data = torch.empty(shape, dtype=torch.uint8, device=device)
-        transpose = _transpose_2d(data) if self.columnwise_usage else None
+        transpose = transpose_2d(data) if self.columnwise_usage else None
         scale_inv = self._initial_scale_inv(device)
         if self.internal:
             return Float8TensorStorage(data, scale_inv, self.dtype, data_transpose=transpose,

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..distributed import is_dtensor
 from ..kernels.float8_block_quantize import FLOAT8_BLOCK
 from ..kernels.mxfp8_quantize import MXFP8_BLOCK, mxfp8_block_amax, mxfp8_cast, mxfp8_codes
 from ..scaling import cast_to_fp8, compute_scale, tensor_amax
@@ -39,7 +40,7 @@ from .float8_tensor import (
     Float8Quantizer,
     Float8Tensor,
     Float8TensorStorage,
-    _transpose_2d,
+    transpose_2d,
 )
 from .grouped_float8_tensor import GroupedFloat8Quantizer, GroupedFloat8Tensor
 from .mxfp8_tensor import MXFP8Quantizer, MXFP8TensorStorage
@@ -98,7 +99,7 @@ def post_all_gather_processing(model_weights) -> None:
     for weight in weights:
         if isinstance(weight, Float8Tensor):
             if weight._transpose is not None:
-                weight._transpose = _transpose_2d(weight._data)
+                weight._transpose = transpose_2d(weight._data)
         elif isinstance(weight, Float8BlockwiseQTensor):
             if weight._columnwise_data is not None:
                 weight._columnwise_data = None
@@ -108,12 +109,6 @@ def post_all_gather_processing(model_weights) -> None:
 
 
 # ---- cast_master_weights_to_fp8 ---------------------------------------------------------------------
-
-def _is_dtensor(t) -> bool:
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(t, DTensor)
-
 
 class _Logical:
     """An FSDP2-sharded per-tensor FP8 weight as the cast sees it: the whole weight's shape and numel,
@@ -412,7 +407,7 @@ def cast_master_weights_to_fp8(
     for i, (weight, master, quantizer, start, dest) in enumerate(
             zip(model_weights, master_weights, quantizers, start_offsets, dests)):
         local = False
-        if _is_dtensor(weight):
+        if is_dtensor(weight):
             # an FSDP2-sharded weight: the scales live in the local shard (the same on every rank),
             # the bytes go to the shard passed in fsdp_shard_model_weights
             if dest is None:
