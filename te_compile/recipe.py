@@ -185,6 +185,9 @@ class Recipe:
         GEMM may (``fprop_fast_accum``)."""
         return False
 
+    # TransformerEngine's Recipe predicates, by the same names, so that code written against TE's
+    # recipes runs unchanged; te_compile itself asks the facts above, and calls delayed() and
+    # float8_current_scaling() only. tests/test_recipe.py checks that exactly one kind is true.
     def delayed(self) -> bool:
         return isinstance(self, DelayedScaling)
 

@@ -29,7 +29,7 @@ from .recipe import Recipe
 from .state import read_state
 from .tensor.float8_tensor import Float8Tensor
 
-__all__ = ["cached_fp8_weight", "clear_weight_cache", "cached_bytes"]
+__all__ = ["cached_fp8_weight", "cached_bytes"]
 
 
 @dataclass
@@ -78,11 +78,6 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
                           dtype=dtype or weight.dtype)
     entries[(recipe, transposed, dtype)] = _Entry(key, tensor)
     return tensor
-
-
-def clear_weight_cache() -> None:
-    """Drop every cached FP8 weight; the next call of an inference graph makes them again."""
-    _CACHE.clear()
 
 
 def cached_bytes(weights) -> int:
