@@ -381,22 +381,11 @@ def _fsdp_problem(name: str) -> str:
             f"before loading its recipe state")
 
 
-def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
-                           strict: bool = True) -> IncompatibleKeys:
-    """Copy saved state into ``model``'s state (in place, so compiled graphs see it), creating it
-    if the model has not been compiled or run yet.
-
-    Keys are matched as ``recipe_state_dict`` writes them (any name of a tied parameter is accepted).
-    ``missing_keys``: the keys of every weight or SDPA site that has state or is named in
-    ``state_dict`` that ``state_dict`` lacks; ``unexpected_keys``: keys that name no weight or SDPA
-    site of the model or are not "<fqn>.<role>.<field>". With ``strict`` (the default) either is an
-    error naming the keys; a value of the wrong shape is always an error. Nothing is copied when an
-    error is raised.
-    """
-    prefixes = _prefixes(model)
-    attention = _attention_names(model)
-    unexpected, entries = [], {}   # id(param) -> {(role, field): (key, value)}
-    sites: dict[str, dict] = {}    # SDPA site name -> {(role, field): (key, value)}
+def _sort_keys(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], prefixes: dict,
+               attention: dict) -> tuple[list[str], dict[int, dict], dict[str, dict]]:
+    """(unexpected keys, id(param) -> {(role, field): (key, value)}, SDPA site name -> the same) of
+    ``state_dict``'s keys."""
+    unexpected, entries, sites = [], {}, {}
     for key, value in state_dict.items():
         parts = key.rsplit(".", 2)
         if len(parts) == 2:  # a weight of the root module: "<role>.<field>"
@@ -408,9 +397,14 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
             sites.setdefault(parts[0], {})[(parts[1], parts[2])] = (key, value)
         else:
             unexpected.append(key)
+    return unexpected, entries, sites
 
-    # Expected: every role and field of each weight or site that has state already or is being
-    # loaded, named as recipe_state_dict names it.
+
+def _missing_keys(model: torch.nn.Module, prefixes: dict, attention: dict, entries: dict[int, dict],
+                  sites: dict[str, dict]) -> tuple[dict[int, str], list[str]]:
+    """(id(param) -> its name, the missing keys): every role and field of each weight or site that
+    has state already or is being loaded, named as recipe_state_dict names it. Adds an empty entry
+    to ``entries`` / ``sites`` for each weight or site with state that ``state_dict`` does not name."""
     names: dict[int, str] = {}
     for prefix, param in prefixes.items():
         names.setdefault(id(param), prefix)
@@ -423,17 +417,15 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
                for role in GEMM_ROLES for f in FIELDS if (role, f) not in given]
     missing += [_key(site, role, f) for site, given in sites.items()
                 for role in ATTENTION_ROLES for f in FIELDS if (role, f) not in given]
-    problems = []
-    if strict and missing:
-        problems.append(f"missing keys {missing}")
-    if strict and unexpected:
-        problems.append(f"unexpected keys {unexpected} (keys are '<fqn>.<role>.<field>' naming a weight "
-                        f"of this model, with role in {GEMM_ROLES}, or '<module>.sdpa.<role>.<field>' "
-                        f"naming an SDPA site, with role in {ATTENTION_ROLES}; field in {FIELDS})")
+    return names, missing
 
+
+def _weight_loads(prefixes: dict, entries: dict[int, dict], names: dict[int, str],
+                  unsharded: dict) -> tuple[list, list[str]]:
+    """(one (existing state or None, a function making it, {(role, field): (key, value)}) per weight
+    named in ``entries``, what stops one)."""
+    loads, problems = [], []
     params = {id(p): p for p in prefixes.values()}
-    unsharded = _fsdp_unsharded(model)
-    loads = []
     for pid, given in entries.items():
         if not given:
             continue
@@ -449,6 +441,13 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
         problems += _shape_problems(given, history_len, experts)
         where = f"load_recipe_state_dict({names[pid]!r})"
         loads.append((existing, lambda p=params[pid], n=history_len, w=where: state_for(p, n, w), given))
+    return loads, problems
+
+
+def _attention_loads(model: torch.nn.Module, attention: dict, sites: dict[str, dict],
+                     unsharded: dict) -> tuple[list, list[str]]:
+    """``_weight_loads`` for the SDPA sites named in ``sites``."""
+    loads, problems = [], []
     for site, given in sites.items():
         if not given:
             continue
@@ -472,11 +471,43 @@ def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.T
                 attention_state_for(param, key, depth, n, w, state)
             return state
         loads.append((None, register, given))
+    return loads, problems
+
+
+def load_recipe_state_dict(model: torch.nn.Module, state_dict: dict[str, torch.Tensor], *,
+                           strict: bool = True) -> IncompatibleKeys:
+    """Copy saved state into ``model``'s state (in place, so compiled graphs see it), creating it
+    if the model has not been compiled or run yet.
+
+    Keys are matched as ``recipe_state_dict`` writes them (any name of a tied parameter is accepted).
+    ``missing_keys``: the keys of every weight or SDPA site that has state or is named in
+    ``state_dict`` that ``state_dict`` lacks; ``unexpected_keys``: keys that name no weight or SDPA
+    site of the model or are not "<fqn>.<role>.<field>". With ``strict`` (the default) either is an
+    error naming the keys; a value of the wrong shape is always an error. Nothing is copied when an
+    error is raised.
+    """
+    prefixes = _prefixes(model)
+    attention = _attention_names(model)
+    unexpected, entries, sites = _sort_keys(model, state_dict, prefixes, attention)
+    names, missing = _missing_keys(model, prefixes, attention, entries, sites)
+    problems = []
+    if strict and missing:
+        problems.append(f"missing keys {missing}")
+    if strict and unexpected:
+        problems.append(f"unexpected keys {unexpected} (keys are '<fqn>.<role>.<field>' naming a weight "
+                        f"of this model, with role in {GEMM_ROLES}, or '<module>.sdpa.<role>.<field>' "
+                        f"naming an SDPA site, with role in {ATTENTION_ROLES}; field in {FIELDS})")
+
+    # Every check runs before the first copy: nothing is copied when an error is raised.
+    unsharded = _fsdp_unsharded(model)
+    weight_loads, weight_problems = _weight_loads(prefixes, entries, names, unsharded)
+    site_loads, site_problems = _attention_loads(model, attention, sites, unsharded)
+    problems += weight_problems + site_problems
     if problems:
         hint = " (strict=False loads the keys that match)" if strict and (missing or unexpected) else ""
         raise RuntimeError("load_recipe_state_dict: " + "; ".join(problems) + hint)
 
-    for existing, create, given in loads:
+    for existing, create, given in weight_loads + site_loads:
         state = existing or create()
         for (role, field_name), (_, value) in given.items():
             with torch.no_grad():

@@ -362,6 +362,55 @@ def _kind(weight, quantizer, i: int):
     )
 
 
+def _prepare(i: int, weight, master: Optional[torch.Tensor], quantizer: Optional[Quantizer],
+             start: Optional[int], dest: Optional[torch.Tensor]):
+    """(the ``_Item`` of model_weights[i], its kind) after checking its arguments; clears the
+    weight's high-precision init value."""
+    local = False
+    if is_dtensor(weight):
+        # an FSDP2-sharded weight: the scales live in the local shard (the same on every rank),
+        # the bytes go to the shard passed in fsdp_shard_model_weights
+        if dest is None:
+            raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] is sharded (a DTensor); "
+                             f"pass its local shard in fsdp_shard_model_weights")
+        quantizer = quantizer if quantizer is not None else getattr(weight._local_tensor, "_quantizer", None)
+        if isinstance(weight._local_tensor, BlockScaledTensor):
+            weight = _block_shard(weight, dest, master, start or 0, i)
+            start, dest, local = 0, None, True
+        else:
+            weight = _Logical(weight)
+    if quantizer is None:
+        raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] has no quantizer (not made by "
+                         f"quantized_model_init); pass quantizers=")
+    kind = _kind(weight, quantizer, i)
+    if master is not None:
+        if start is None or start < 0 or start + master.numel() > weight.numel():
+            raise ValueError(f"cast_master_weights_to_fp8: master_weights[{i}] ({master.numel()} elements "
+                             f"from offset {start}) does not fit model_weights[{i}] ({weight.numel()})")
+        master = master.detach().reshape(-1).to(device=weight.device, dtype=weight.dtype)
+    if dest is not None:
+        if kind is not _PerTensor:
+            raise NotImplementedError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] with a "
+                                      f"whole block-scaled model_weights[{i}]: pass the FSDP2 parameter "
+                                      f"(the DTensor) as the model weight")
+        if master is None or dest.numel() != master.numel():
+            raise ValueError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] must hold the "
+                             f"same elements as master_weights[{i}]")
+    if isinstance(weight, (QuantizedTensor, _Logical)):
+        weight.clear_high_precision_init_val()
+    return _Item(weight, master, start or 0, quantizer, dest, local), kind
+
+
+def _all_reduce_max_packed(amaxes: list[torch.Tensor], group) -> None:
+    """All-reduce (MAX) ``amaxes`` in place over ``group`` as one packed buffer."""
+    packed = torch.cat([a.reshape(-1).to(amaxes[0].device) for a in amaxes])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    offset = 0
+    for a in amaxes:
+        a.copy_(packed[offset:offset + a.numel()].view(a.shape))
+        offset += a.numel()
+
+
 def cast_master_weights_to_fp8(
     model_weights: Sequence[torch.Tensor],
     master_weights: Sequence[Optional[torch.Tensor]],
@@ -404,41 +453,9 @@ def cast_master_weights_to_fp8(
         if len(seq) != n:
             raise ValueError(f"cast_master_weights_to_fp8: {name} has {len(seq)} entries, model_weights {n}")
     items, kinds = [], []
-    for i, (weight, master, quantizer, start, dest) in enumerate(
-            zip(model_weights, master_weights, quantizers, start_offsets, dests)):
-        local = False
-        if is_dtensor(weight):
-            # an FSDP2-sharded weight: the scales live in the local shard (the same on every rank),
-            # the bytes go to the shard passed in fsdp_shard_model_weights
-            if dest is None:
-                raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] is sharded (a DTensor); "
-                                 f"pass its local shard in fsdp_shard_model_weights")
-            quantizer = quantizer if quantizer is not None else getattr(weight._local_tensor, "_quantizer", None)
-            if isinstance(weight._local_tensor, BlockScaledTensor):
-                weight = _block_shard(weight, dest, master, start or 0, i)
-                start, dest, local = 0, None, True
-            else:
-                weight = _Logical(weight)
-        if quantizer is None:
-            raise ValueError(f"cast_master_weights_to_fp8: model_weights[{i}] has no quantizer (not made by "
-                             f"quantized_model_init); pass quantizers=")
-        kind = _kind(weight, quantizer, i)
-        if master is not None:
-            if start is None or start < 0 or start + master.numel() > weight.numel():
-                raise ValueError(f"cast_master_weights_to_fp8: master_weights[{i}] ({master.numel()} elements "
-                                 f"from offset {start}) does not fit model_weights[{i}] ({weight.numel()})")
-            master = master.detach().reshape(-1).to(device=weight.device, dtype=weight.dtype)
-        if dest is not None:
-            if kind is not _PerTensor:
-                raise NotImplementedError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] with a "
-                                          f"whole block-scaled model_weights[{i}]: pass the FSDP2 parameter "
-                                          f"(the DTensor) as the model weight")
-            if master is None or dest.numel() != master.numel():
-                raise ValueError(f"cast_master_weights_to_fp8: fsdp_shard_model_weights[{i}] must hold the "
-                                 f"same elements as master_weights[{i}]")
-        if isinstance(weight, (QuantizedTensor, _Logical)):
-            weight.clear_high_precision_init_val()
-        items.append(_Item(weight, master, start or 0, quantizer, dest, local))
+    for i, args in enumerate(zip(model_weights, master_weights, quantizers, start_offsets, dests)):
+        item, kind = _prepare(i, *args)
+        items.append(item)
         kinds.append(kind)
 
     sharded = any(not it.local and (it.master is None or it.master.numel() != it.weight.numel()) for it in items)
@@ -450,12 +467,7 @@ def cast_master_weights_to_fp8(
     local = [kind.amaxes(item) for kind, item in zip(kinds, items)]
     flat = [a for item, per_item in zip(items, local) if not item.local for a in per_item]
     if flat and amax_reduce_group is not None:
-        packed = torch.cat([a.reshape(-1).to(flat[0].device) for a in flat])
-        dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=amax_reduce_group)
-        offset = 0
-        for a in flat:
-            a.copy_(packed[offset:offset + a.numel()].view(a.shape))
-            offset += a.numel()
+        _all_reduce_max_packed(flat, amax_reduce_group)
     for kind, item, amaxes in zip(kinds, items, local):
         kind.finish(item, amaxes, manual_post_all_gather_processing)
 
