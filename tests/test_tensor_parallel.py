@@ -402,7 +402,7 @@ def _hand_worker(rank: int) -> dict:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    from te_compile.lowerings.sharded_linear import plan_linear_sharding
+    from te_compile.lowerings.linear_paths.sharded import plan_linear_sharding
 
     mesh_a = init_device_mesh("cpu", (WORLD,), mesh_dim_names=("tp",))
     mesh_b = DeviceMesh("cpu", torch.arange(WORLD).flip(0), mesh_dim_names=("tp",))
