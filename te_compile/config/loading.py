@@ -1,4 +1,4 @@
-"""The backend's configuration: which recipe, which sites to rewrite, per-module overrides.
+"""From TOML or ``torch.compile`` options to a ``TeConfig``: the sources, their precedence, the checks.
 
 A config comes from exactly one place (see ``resolve_config``): ``torch.compile`` options, the file
 named by ``TE_COMPILE_CONFIG``, ``./te_compile.toml``, ``[tool.te_compile]`` in ``./pyproject.toml``
@@ -15,8 +15,7 @@ import difflib
 import importlib
 import os
 import typing
-from dataclasses import dataclass, fields, replace
-from fnmatch import fnmatchcase
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -25,278 +24,37 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-from .recipe import RECIPES, Float8CurrentScaling, Format, Recipe
+from ..recipe import RECIPES, Format, Recipe
+from .schema import (
+    AMAX_GROUP_NAMES,
+    COMPILERS,
+    EXPERT_AMAX_GROUP_NAMES,
+    INFERENCE_CHOICES,
+    ConfigError,
+    DistributedConfig,
+    InferenceConfig,
+    Override,
+    RewriteConfig,
+    TeConfig,
+    glob_problem,
+    group_problem,
+    is_mesh,
+)
 
-__all__ = [
-    "ConfigError",
-    "RewriteConfig",
-    "Override",
-    "DistributedConfig",
-    "InferenceConfig",
-    "TeConfig",
-    "load_config",
-    "config_from_dict",
-    "resolve_config",
-    "config_argument",
-]
+__all__ = ["load_config", "config_from_dict", "resolve_config", "config_argument"]
 
 _ENV_VAR = "TE_COMPILE_CONFIG"
-_COMPILERS = ("inductor", "aot_eager")
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
              "amax_group", "mesh", "inference")
-_INFERENCE_CHOICES = {"scaling": ("static", "current"), "activation_scaling": ("tensor", "row")}
 _DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims",
                      "context_parallel", "async_tp")
-_AMAX_GROUP_NAMES = ("auto", "world", "none")
-_EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
-_GROUP_FORMS = "a list of mesh dim names, or from Python a ProcessGroup or a DeviceMesh"
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
-
-
-class ConfigError(ValueError):
-    """A config that cannot be used; the message names the source, the key path and valid values."""
 
 
 def _error(source: str, key: str, problem: str) -> ConfigError:
     return ConfigError(f"{source}: {key}: {problem}")
 
-
-def _glob_problem(glob: Any) -> Optional[str]:
-    """Why ``glob`` is not a usable fnmatch pattern over module FQNs, or None if it is."""
-    if not isinstance(glob, str):
-        return (f"must be a single glob string (write one [[overrides]] table per glob), "
-                f"got {glob!r}")
-    if not glob.strip():
-        return f"must be a non-empty glob string, got {glob!r}"
-    # fnmatch reads an unclosed '[' as a literal character, which is never what a user meant.
-    i = glob.find("[")
-    while i != -1:
-        j = i + 1
-        if glob[j:j + 1] == "!":
-            j += 1
-        if glob[j:j + 1] == "]":  # a ']' right after '[' (or '[!') is a member of the set
-            j += 1
-        close = glob.find("]", j)
-        if close == -1:
-            return f"glob {glob!r} has a '[' at position {i} without a closing ']'"
-        i = glob.find("[", close + 1)
-    return None
-
-
-@dataclass(frozen=True)
-class RewriteConfig:
-    """Which site kinds the backend rewrites; a disabled kind stays in high precision."""
-
-    linear: bool = True
-    # the experts' grouped GEMMs of MoE layers (torch._grouped_mm and transformers' fallback op)
-    grouped_linear: bool = True
-    layer_norm: bool = True  # fused into the following linears' input quantization when possible
-    rms_norm: bool = True
-    activation: bool = True  # GELU / ReLU / ReLU² / SwiGLU fused into the following linear's quantization
-    # off by default: FP8 attention costs accuracy that most models do not want to trade for speed
-    sdpa: bool = False
-    # the output layer and its cross_entropy as one chunked op: no [tokens, vocab] logits saved
-    linear_cross_entropy: bool = True
-    linear_cross_entropy_chunk: int = 0   # rows per chunk; 0: chosen from the shapes
-
-    def __post_init__(self):
-        for f in fields(self):
-            problem = self.value_problem(f.name, getattr(self, f.name))
-            if problem:
-                raise ValueError(f"{f.name}: {problem}")
-
-    @staticmethod
-    def value_problem(key: str, value: Any) -> Optional[str]:
-        """Why ``value`` is not valid for ``key`` (beyond its type), or None."""
-        if key == "linear_cross_entropy_chunk" and value < 0:
-            return f"must be >= 0 (0: chosen from the shapes), got {value}"
-        return None
-
-
-@dataclass(frozen=True)
-class Override:
-    """A per-module recipe: ``modules`` is an fnmatch glob over the module FQN."""
-
-    modules: str  # e.g. "layers.*.mlp.*"; '*' also matches across dots
-    recipe: Optional[Recipe]  # None keeps the matching modules in high precision
-
-    def __post_init__(self):
-        problem = _glob_problem(self.modules)
-        if problem:
-            raise ValueError(f"Override.modules {problem}")
-        if self.recipe is not None and not isinstance(self.recipe, Recipe):
-            raise ValueError(f"Override.recipe must be a Recipe or None, got {self.recipe!r}")
-
-
-def _group_problem(value: Any, names: tuple[str, ...]) -> Optional[str]:
-    """Why ``value`` is no amax group setting (one of ``names``, a list of mesh dim names, a
-    ProcessGroup, a DeviceMesh), or None. Dim names are checked against the mesh at compile time."""
-    if isinstance(value, str):
-        if value in names:
-            return None
-        return f"unknown amax group {value!r}; allowed: {list(names)}, {_GROUP_FORMS}"
-    if isinstance(value, (list, tuple)):
-        if not value or not all(isinstance(d, str) and d for d in value):
-            return f"a list of mesh dim names must be non-empty strings, got {list(value)!r}"
-        if len(set(value)) != len(value):
-            return f"mesh dim names repeat in {list(value)!r}"
-        return None
-    if _is_group_object(value):
-        return None
-    return f"expected {list(names)}, {_GROUP_FORMS}, got {value!r} ({type(value).__name__})"
-
-
-def _is_mesh(value: Any) -> bool:
-    try:
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(value, DeviceMesh)
-
-
-def _is_group_object(value: Any) -> bool:
-    try:
-        import torch.distributed as dist
-        from torch.distributed.device_mesh import DeviceMesh
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    # NON_GROUP_MEMBER: what dist.new_group returns on a rank outside the group; the backend says so
-    return isinstance(value, (dist.ProcessGroup, DeviceMesh)) or value is dist.GroupMember.NON_GROUP_MEMBER
-
-
-@dataclass(frozen=True)
-class InferenceConfig:
-    """How graphs compiled with grad disabled (evaluation, ``generate()``) quantize (docs/inference.md)."""
-
-    # DelayedScaling sites: "static" quantizes with the stored scales (trained or calibrated),
-    # "current" with each tensor's own amax, as Float8CurrentScaling in the same formats
-    scaling: str = "static"
-    # the FP8 linears' inputs: "tensor", one scale per tensor; "row", one per token (torch._scaled_mm's
-    # rowwise form), with norms, activations and the output layer's loss left unfused before them
-    activation_scaling: str = "tensor"
-
-    def __post_init__(self):
-        for key, allowed in _INFERENCE_CHOICES.items():
-            if getattr(self, key) not in allowed:
-                raise ValueError(f"{key}: must be one of {list(allowed)}, got {getattr(self, key)!r}")
-
-
-@dataclass(frozen=True)
-class DistributedConfig:
-    """Amax reductions across ranks (te_compile/distributed.py); nothing happens in one process."""
-
-    # The group DelayedScaling's amaxes are all-reduced over (MAX) before they enter the histories,
-    # so every rank keeps the same scales: "auto" (every dim of the device mesh but the pipeline dims,
-    # or the world when no mesh is known; in a PipelineStage never another stage's ranks, pipeline.py
-    # finds the stage), "world" (the default process group), "none" (each rank
-    # keeps its own), a list of mesh dim names (["dp_replicate", "dp_shard", "tp"]: one group over
-    # their product), or from Python a ProcessGroup or a DeviceMesh (all its dims). Recipes with
-    # reduce_amax = false skip it. Tensors sharded as DTensors are reduced over their mesh dims anyway.
-    amax_group: Any = "auto"
-    # Module globs whose linear operands are shards of one tensor across the amax group although they
-    # are plain tensors (tensor parallelism written by hand): current scaling all-reduces their
-    # amaxes (input, weight, grad_output) over the amax group, so the bytes match one process.
-    sharded_modules: tuple[str, ...] = ()
-    # The group the DelayedScaling amaxes of MoE expert weights are all-reduced over: "same" (amax_group's:
-    # right when every rank holds every expert, as under DDP or FSDP2), "none" (expert parallelism:
-    # each rank's experts are its own, and no other rank sees their tokens), any form amax_group takes,
-    # e.g. the mesh dims of the ranks holding the same experts. Under "same", expert weights that are
-    # DTensors read through to_local() (torchtitan's expert parallelism) use the mesh dims that do not
-    # shard the experts instead.
-    expert_amax_group: Any = "same"
-    # The DeviceMesh that mesh dim names (and "auto") refer to, from Python only (a TOML file cannot
-    # hold one): the root mesh or any sub-mesh of it. None: the root mesh of the DTensors the graph
-    # reads (tensor parallelism), if any.
-    mesh: Any = None
-    # Mesh dims that are pipeline stages: no amax is ever reduced across them ("auto" leaves them out,
-    # naming one in amax_group is an error), since each stage holds other weights and runs other graphs.
-    pipeline_dims: tuple[str, ...] = ("pp",)
-    # The mesh dim whose ranks each hold a load-balanced slice of the sequence (context parallelism):
-    # every SDPA site then runs te's context-parallel FP8 attention over it, K and V exchanged in FP8.
-    # None: no context parallelism.
-    context_parallel: Optional[str] = None
-    # Async tensor parallelism: sequence-parallel FP8 linears issue their own all-gather / reduce-scatter
-    # on FP8 data next to aten._scaled_mm, and inductor's micro-pipeline TP pass (turned on while te's
-    # graphs compile) fuses each collective with its GEMM where the TP group has symmetric memory.
-    # torch._inductor.config._micro_pipeline_tp = True set by the user means the same.
-    async_tp: bool = False
-
-    def __post_init__(self):
-        if not isinstance(self.async_tp, bool):
-            raise ValueError(f"async_tp must be true or false, got {self.async_tp!r}")
-        if self.context_parallel is not None and (not isinstance(self.context_parallel, str)
-                                                  or not self.context_parallel):
-            raise ValueError(f"context_parallel must be a mesh dim name, got {self.context_parallel!r}")
-        object.__setattr__(self, "sharded_modules", tuple(self.sharded_modules))
-        object.__setattr__(self, "pipeline_dims", tuple(self.pipeline_dims))
-        for key, names in (("amax_group", _AMAX_GROUP_NAMES), ("expert_amax_group", _EXPERT_AMAX_GROUP_NAMES)):
-            value = getattr(self, key)
-            if isinstance(value, list):
-                object.__setattr__(self, key, value := tuple(value))
-            problem = _group_problem(value, names)
-            if problem:
-                raise ValueError(f"DistributedConfig.{key}: {problem}")
-        for glob in self.sharded_modules:
-            problem = _glob_problem(glob)
-            if problem:
-                raise ValueError(f"DistributedConfig.sharded_modules {problem}")
-        if self.mesh is not None and not _is_mesh(self.mesh):
-            raise ValueError(f"DistributedConfig.mesh must be a DeviceMesh or None, got {self.mesh!r}")
-        if not all(isinstance(d, str) and d for d in self.pipeline_dims):
-            raise ValueError(f"DistributedConfig.pipeline_dims must be mesh dim names, got {list(self.pipeline_dims)!r}")
-
-    def sharded(self, fqn: str) -> bool:
-        return any(fnmatchcase(fqn, glob) for glob in self.sharded_modules)
-
-
-@dataclass(frozen=True)
-class TeConfig:
-    """The resolved configuration of one ``torch.compile(..., backend="te")`` call."""
-
-    # None = high precision everywhere (the backend still records a report of the sites)
-    recipe: Optional[Recipe] = Float8CurrentScaling()
-    rewrite: RewriteConfig = RewriteConfig()
-    overrides: tuple[Override, ...] = ()  # first match wins
-    # "aot_eager" skips inductor codegen: much faster to compile, for debugging the rewrites
-    compiler: str = "inductor"
-    # Block-scaled recipes: native GEMMs where the device passes gemm/block_probe.py's self-test; False
-    # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
-    native_block_gemm: bool = True
-    distributed: DistributedConfig = DistributedConfig()
-    inference: InferenceConfig = InferenceConfig()
-    source: str = "<defaults>"  # where the config came from, for messages and reports
-
-    def __post_init__(self):
-        if self.compiler not in _COMPILERS:
-            raise ValueError(f"TeConfig.compiler must be one of {list(_COMPILERS)}, got {self.compiler!r}")
-        # a list from Python callers becomes a tuple, so the config stays immutable and hashable
-        object.__setattr__(self, "overrides", tuple(self.overrides))
-
-    def for_inference(self) -> "TeConfig":
-        """The config a graph compiled with grad disabled runs under: ``[inference] scaling = "current"``
-        turns DelayedScaling into its current-scaling counterpart; ``activation_scaling = "row"`` leaves
-        norms, activations and the fused output layer unfused (they hand the linears per-tensor FP8)."""
-        setting = self.inference
-
-        def swap(recipe):
-            current = setting.scaling == "current" and recipe is not None and recipe.delayed()
-            return recipe.current_scaling() if current else recipe
-
-        rewrite = self.rewrite
-        if setting.activation_scaling == "row":
-            rewrite = replace(rewrite, layer_norm=False, rms_norm=False, activation=False,
-                              linear_cross_entropy=False)
-        return replace(self, recipe=swap(self.recipe), rewrite=rewrite,
-                       overrides=tuple(replace(o, recipe=swap(o.recipe)) for o in self.overrides))
-
-    def recipe_for(self, fqn: str) -> tuple[Optional[Recipe], str]:
-        """(recipe, why) for a module FQN: the first matching override, else the global recipe."""
-        for override in self.overrides:
-            # fnmatchcase: module names are case-sensitive on every platform
-            if fnmatchcase(fqn, override.modules):
-                return override.recipe, f"override {override.modules!r}"
-        return self.recipe, "global"
 
 
 # what "recipe" means when a config does not name one
@@ -452,10 +210,10 @@ def _build_inference(value: Any, source: str) -> InferenceConfig:
         raise _error(source, "inference.kv_cache", "not a config key: pass generate(cache="
                      "te_compile.fp8_static_cache(model.config, max_cache_len)) for an FP8 key/value cache, "
                      "which te's attention then reads as bytes")
-    _check_keys(table, tuple(_INFERENCE_CHOICES), "inference.", source)
+    _check_keys(table, tuple(INFERENCE_CHOICES), "inference.", source)
     for key, v in table.items():
-        if v not in _INFERENCE_CHOICES[key]:
-            raise _error(source, f"inference.{key}", f"must be one of {list(_INFERENCE_CHOICES[key])}, got {v!r}")
+        if v not in INFERENCE_CHOICES[key]:
+            raise _error(source, f"inference.{key}", f"must be one of {list(INFERENCE_CHOICES[key])}, got {v!r}")
     return InferenceConfig(**table)
 
 
@@ -470,7 +228,7 @@ def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], sour
         if required not in table:
             raise _error(source, f"{key}.{required}",
                          f"missing required key; an override has keys {list(_OVERRIDE_KEYS)}")
-    problem = _glob_problem(table["modules"])
+    problem = glob_problem(table["modules"])
     if problem:
         raise _error(source, f"{key}.modules", problem)
     recipe, options = table["recipe"], table.get("recipe_options")
@@ -500,15 +258,15 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     if "mesh" in data:
         table["mesh"], mesh_key = data["mesh"], "mesh"
     groups = {}
-    for name, where, names in (("amax_group", key, _AMAX_GROUP_NAMES),
-                               ("expert_amax_group", "distributed.expert_amax_group", _EXPERT_AMAX_GROUP_NAMES)):
+    for name, where, names in (("amax_group", key, AMAX_GROUP_NAMES),
+                               ("expert_amax_group", "distributed.expert_amax_group", EXPERT_AMAX_GROUP_NAMES)):
         value = table.get(name, getattr(DistributedConfig, name))
-        problem = _group_problem(value, names)
+        problem = group_problem(value, names)
         if problem:
             raise _error(source, where, problem)
         groups[name] = tuple(value) if isinstance(value, list) else value
     mesh = table.get("mesh")
-    if mesh is not None and not _is_mesh(mesh):
+    if mesh is not None and not is_mesh(mesh):
         raise _error(source, mesh_key, f"expected a DeviceMesh (from Python: options={{'mesh': mesh}}), got "
                                        f"{mesh!r} ({type(mesh).__name__})")
     pipeline = table.get("pipeline_dims", DistributedConfig.pipeline_dims)
@@ -519,7 +277,7 @@ def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
     if isinstance(globs, str) or not isinstance(globs, (list, tuple)):
         raise _error(source, "distributed.sharded_modules", f"expected an array of module globs, got {globs!r}")
     for i, glob in enumerate(globs):
-        problem = _glob_problem(glob)
+        problem = glob_problem(glob)
         if problem:
             raise _error(source, f"distributed.sharded_modules[{i}]", problem)
     cp = table.get("context_parallel")
@@ -544,8 +302,8 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
         raise _error(source, "overrides", f"expected an array of tables ([[overrides]]), got {items!r}")
     overrides = tuple(_build_override(item, i, recipe, source) for i, item in enumerate(items))
     compiler = data.get("compiler", TeConfig.compiler)
-    if compiler not in _COMPILERS:
-        raise _error(source, "compiler", f"must be one of {list(_COMPILERS)}, got {compiler!r}")
+    if compiler not in COMPILERS:
+        raise _error(source, "compiler", f"must be one of {list(COMPILERS)}, got {compiler!r}")
     native = _convert(data.get("native_block_gemm", TeConfig.native_block_gemm), bool,
                       "native_block_gemm", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
