@@ -8,7 +8,7 @@ in up to two copies, each quantized from high precision:
   Float8 block and NVFP4 store the transpose [K, M], as TransformerEngine does).
 Each format class names its extra buffers and format fields and says how to dequantize each copy and
 how to cut a range of rows; everything else (usage, saving, views, copies, torch.compile flattening,
-pickling) lives here once.
+pickling) lives here once, and FSDP2's all-gather in block_fsdp.py.
 
 Views: only what keeps the block layout is a view: reshapes whose last dim is x2d's K and the flat
 1-D view (the 2-D buffers do not change; FSDP2 keeps a flat view of each shard), and slices / splits
@@ -19,11 +19,11 @@ across blocks (transpose, slicing the last dim, ...) raises; call ``dequantize()
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
+from .block_fsdp import fsdp_block_post_all_gather, fsdp_block_pre_all_gather
 from .quantized_tensor import QuantizedTensor, QuantizedTensorStorage, Quantizer, implements
 
 __all__ = ["BlockScaledTensorStorage", "BlockScaledTensor", "BlockScaledQuantizer", "expand_block_scales"]
@@ -276,10 +276,7 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
         fields.update({name[1:]: value for name, value in zip(cls._META, meta)})
         return cls(shape=outer_size, dtype=dtype, **fields)
 
-    # ---- FSDP2 all-gather extension ------------------------------------------------------------
-    # A block-scaled shard (an FP8 primary weight sharded by fully_shard, or te_compile/fsdp.py's
-    # quantized high-precision shard) gathers its own buffers: rows split at block boundaries hold
-    # whole blocks, so the gathered buffers are the whole weight's, bit for bit.
+    # ---- FSDP2 all-gather extension (block_fsdp.py) -----------------------------------------------
 
     # Buffers laid out by x2d rows ([M, ...]) that concatenate along dim 0 into the whole tensor's;
     # the format's other copies are derived after the gather or not gathered at all (empty: the
@@ -287,55 +284,10 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
     _FSDP_GATHERED: tuple[str, ...] = ()
 
     def fsdp_pre_all_gather(self, mesh, orig_size, contiguous_orig_stride, module, mp_policy):
-        """The shard's row-laid-out buffers, and how to rebuild the gathered tensor."""
-        name = type(self).__name__
-        if not self._FSDP_GATHERED:
-            raise NotImplementedError(f"{name} cannot be all-gathered by FSDP2 in its quantized form")
-        if self.dim() < 2 or tuple(self.shape[1:]) != tuple(orig_size[1:]):
-            raise RuntimeError(f"{name}: an FSDP2 all-gather of block-scaled data needs dim-0 (row) shards; "
-                               f"shard {list(self.shape)} of {list(orig_size)}")
-        world = mesh.size()
-        if orig_size[0] % world or self.shape[0] != orig_size[0] // world:
-            # FSDP2 pads an uneven shard and wants every all-gather input at the padded shard size,
-            # which scale buffers (fewer rows than the data) cannot be
-            raise RuntimeError(f"{name}: an FSDP2 all-gather of block-scaled data needs even shards: "
-                               f"{orig_size[0]} rows over {world} ranks")
-        missing = [n[1:] for n in self._FSDP_GATHERED if getattr(self, n) is None]
-        if missing:
-            raise RuntimeError(f"{name}: the shard lacks {missing}, which the all-gather moves")
-        meta = FsdpBlockMeta(type(self), self._FSDP_GATHERED,
-                             {n[1:]: getattr(self, n) for n in self._META}, tuple(orig_size), self._quantizer)
-        return tuple(getattr(self, n).contiguous() for n in self._FSDP_GATHERED), meta
+        return fsdp_block_pre_all_gather(self, mesh, orig_size)
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         return fsdp_block_post_all_gather(all_gather_outputs, metadata, param_dtype, out=out)
-
-
-@dataclass(frozen=True)
-class FsdpBlockMeta:
-    """How to rebuild a gathered block-scaled tensor: its class, the gathered buffers' names (in
-    order), its format fields, the whole tensor's shape and the quantizer it carries."""
-
-    cls: type
-    names: tuple
-    format: dict
-    shape: tuple
-    quantizer: Any
-
-
-def fsdp_block_post_all_gather(all_gather_outputs, metadata: FsdpBlockMeta, param_dtype, *, out=None):
-    """FSDP2's post-all-gather of block-scaled buffers: the whole tensor over the gathered buffers
-    (they are its storage: FSDP frees and refills them, the tensor follows)."""
-    if out is not None:   # FSDP re-gathered into the buffers ``out`` already views
-        if out._rowwise_data is None or (out._rowwise_data.untyped_storage().data_ptr()
-                                         != all_gather_outputs[0].untyped_storage().data_ptr()):
-            raise RuntimeError("FSDP2 re-gathered a block-scaled weight into a new buffer; expected "
-                               "the buffers of the first all-gather")
-        return None
-    fields = {name[1:]: t for name, t in zip(metadata.names, all_gather_outputs)}
-    weight = metadata.cls(shape=metadata.shape, dtype=param_dtype, quantizer=metadata.quantizer,
-                          **fields, **metadata.format)
-    return weight, tuple(all_gather_outputs)
 
 
 torch.serialization.add_safe_globals([_rebuild_block_scaled_tensor])
