@@ -45,6 +45,7 @@ from torch import Tensor
 from ..scaling import cast_to_fp8, compute_scale, fp8_max
 from ._fp_bits import HAS_TRITON, use_triton
 from ._launch import require_triton
+from .online_softmax import OnlineSoftmax
 
 if HAS_TRITON:
     import triton
@@ -121,27 +122,14 @@ def fp8_attention_forward_reference(
     q = q8.to(torch.float32)
     if mask is not None:
         mask = mask.expand(*mask.shape[:-2], tq, tk) if mask.dim() >= 2 else mask
-    m = torch.full((b, h, tq), float("-inf"), device=q.device)
-    l = torch.zeros((b, h, tq), device=q.device)
-    acc = torch.zeros((b, h, tq, d), device=q.device)
+    state = OnlineSoftmax(b, h, tq, d, q.device)
     for start in range(0, tk, block_n):
         cols = torch.arange(start, min(start + block_n, tk), device=q.device)
         s = (q @ k[:, :, start:start + block_n].transpose(-2, -1)) * kv_scale
-        bias = block_bias(mask, causal, tq, cols, q.device)
-        if bias is not None:
-            s = s + bias
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        # rows with every key so far masked: keep them at 0 (exp(-inf - -inf) would be NaN)
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe[..., None])
-        l = l * alpha + p.sum(dim=-1)
+        p = state.block(s, block_bias(mask, causal, tq, cols, q.device))
         p8 = cast_to_fp8(p, torch.tensor(P_SCALE, device=q.device), E4M3)
-        acc = acc * alpha[..., None] + (p8.to(torch.float32) @ v[:, :, start:start + block_n]) * v_descale
-        m = m_new
-    empty = l == 0
-    o = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
-    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(l))
+        state.add((p8.to(torch.float32) @ v[:, :, start:start + block_n]) * v_descale)
+    o, lse = state.finish()
     return o.to(out_dtype), lse
 
 

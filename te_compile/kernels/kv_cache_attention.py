@@ -34,6 +34,7 @@ from torch import Tensor
 from ._fp_bits import HAS_TRITON, use_triton
 from ._launch import require_triton
 from .fp8_attention import BLOCK_N, E4M3, block_bias, mask_args
+from .online_softmax import OnlineSoftmax
 
 if HAS_TRITON:
     import triton
@@ -82,25 +83,14 @@ def kv_cache_attention_reference(
     q32 = q.to(torch.float32)
     if mask is not None:
         mask = mask.expand(*mask.shape[:-2], tq, tk) if mask.dim() >= 2 else mask
-    m = torch.full((b, h, tq), float("-inf"), device=q.device)
-    l = torch.zeros((b, h, tq), device=q.device)
-    acc = torch.zeros((b, h, tq, d), device=q.device)
+    state = OnlineSoftmax(b, h, tq, d, q.device)
     for start in range(0, tk, block_n):
         end = min(start + block_n, tk)
         s = (q32 @ k[:, :, start:end].transpose(-2, -1)) * k_factor[..., start:end]
-        bias = block_bias(mask, causal, tq, torch.arange(start, end, device=q.device), q.device)
-        if bias is not None:
-            s = s + bias
-        m_new = torch.maximum(m, s.amax(dim=-1))
-        m_safe = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)
-        alpha = torch.exp(m - m_safe)
-        p = torch.exp(s - m_safe[..., None])
-        l = l * alpha + p.sum(dim=-1)
+        p = state.block(s, block_bias(mask, causal, tq, torch.arange(start, end, device=q.device), q.device))
         pv = (p * v_factor[..., start:end]).to(q.dtype).to(torch.float32)
-        acc = acc * alpha[..., None] + pv @ v[:, :, start:end]
-        m = m_new
-    empty = l == 0
-    o = torch.where(empty[..., None], torch.zeros_like(acc), acc / torch.where(empty, 1.0, l)[..., None])
+        state.add(pv @ v[:, :, start:end])
+    o, _ = state.finish()
     return o.to(out_dtype or q.dtype)
 
 
@@ -111,10 +101,15 @@ _DECODE_BLOCK_M, _BLOCK_M = 16, 64
 if HAS_TRITON:
     @triton.jit
     def _kv_cache_attention_kernel(
-        q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, mask_ptr, o_ptr,
-        sm_scale, TQ, TK, H, GROUP,
-        s_qb, s_qh, s_qt, s_kb, s_kh, s_kt, s_vb, s_vh, s_vt, s_sb, s_sh, s_tb, s_th,
-        s_mb, s_mh, s_mq, s_mk, s_ob, s_oh, s_ot,
+        # each operand beside its strides (the last dim is contiguous)
+        q_ptr, s_qb, s_qh, s_qt,              # q [B, H, Tq, D]
+        k_ptr, s_kb, s_kh, s_kt,              # k8 [B, Hkv, Tk, D] E4M3
+        v_ptr, s_vb, s_vh, s_vt,              # v8 [B, Hkv, Tk, D] E4M3
+        ks_ptr, s_sb, s_sh,                   # k_scale_inv [B, Hkv, Tk] fp32
+        vs_ptr, s_tb, s_th,                   # v_scale_inv [B, Hkv, Tk] fp32
+        mask_ptr, s_mb, s_mh, s_mq, s_mk,     # mask, broadcast to [B, H, Tq, Tk] (mask_args)
+        o_ptr, s_ob, s_oh, s_ot,              # o [B, H, Tq, D]
+        sm_scale, TQ, TK, H, GROUP,           # GROUP = H // Hkv query heads per key/value head
         D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
         CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, IEEE: tl.constexpr,
     ):
@@ -201,9 +196,14 @@ def kv_cache_attention_triton(
     k_scale_inv, v_scale_inv = (s if s.stride(-1) == 1 else s.contiguous() for s in (k_scale_inv, v_scale_inv))
     grid = (triton.cdiv(tq * group, block_m), b * hkv)
     _kv_cache_attention_kernel[grid](
-        q, k8, v8, k_scale_inv, v_scale_inv, mask_arg, o, float(sm_scale), tq, tk, h, group,
-        *q.stride()[:3], *k8.stride()[:3], *v8.stride()[:3], *k_scale_inv.stride()[:2], *v_scale_inv.stride()[:2],
-        *strides, *o.stride()[:3],
+        q, *q.stride()[:3],
+        k8, *k8.stride()[:3],
+        v8, *v8.stride()[:3],
+        k_scale_inv, *k_scale_inv.stride()[:2],
+        v_scale_inv, *v_scale_inv.stride()[:2],
+        mask_arg, *strides,
+        o, *o.stride()[:3],
+        float(sm_scale), tq, tk, h, group,
         D=d, BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_M=block_m, BLOCK_N=block_n,
         CAUSAL=bool(causal), MASK_KIND=kind, IEEE=q.dtype == torch.float32, num_warps=4)
     return o
