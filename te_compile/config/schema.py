@@ -14,20 +14,11 @@ from typing import Any, Optional
 from ..recipe import Float8CurrentScaling, Recipe
 
 __all__ = [
-    "ConfigError",
-    "RewriteConfig",
-    "Override",
-    "DistributedConfig",
-    "InferenceConfig",
-    "TeConfig",
+    # the config's types
+    "ConfigError", "TeConfig", "RewriteConfig", "Override", "DistributedConfig", "InferenceConfig",
     # value checks the TOML loader reports with a source and key path
-    "COMPILERS",
-    "INFERENCE_CHOICES",
-    "AMAX_GROUP_NAMES",
-    "EXPERT_AMAX_GROUP_NAMES",
-    "glob_problem",
-    "group_problem",
-    "is_mesh",
+    "COMPILERS", "INFERENCE_CHOICES", "AMAX_GROUP_NAMES", "EXPERT_AMAX_GROUP_NAMES",
+    "glob_problem", "group_problem", "is_mesh",
 ]
 
 COMPILERS = ("inductor", "aot_eager")
