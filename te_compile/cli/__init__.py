@@ -41,8 +41,8 @@ def _parser() -> argparse.ArgumentParser:
         prog=_PROG, description="te_compile: TransformerEngine-style FP8 training through torch.compile.")
     parser.add_argument("--version", action="store_true", help="print the version and exit")
     sub = parser.add_subparsers(dest="command", metavar="{demo,generate,report}")
-    for command in (demo, generate, report):
-        command.add_parser(sub)
+    for command in (demo.COMMAND, generate.COMMAND, report.COMMAND):
+        command.add_to(sub)
     parser.set_defaults(handler=None, version_string=f"{_PROG} {__version__} (torch {torch.__version__})")
     return parser
 

@@ -1,18 +1,36 @@
-"""What the commands share: the usage error, the te backend their --config / --recipe describe, and
-the short summary of the te run's sites that the demo and generate print."""
+"""What the commands share: how a command joins the entry point, the usage error, the te backend
+their --config / --recipe describe, and the short summary of the te run's sites that the demo and
+generate print."""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
     from ..report import Report
 
-__all__ = ["UsageError", "te_backend", "recipe_label", "site_counts"]
+__all__ = ["Command", "UsageError", "te_backend", "recipe_label", "site_counts"]
 
 _REASONS_SHOWN = 3    # distinct reasons named per op in the site counts; all of them: --report
 _REASON_WIDTH = 100   # characters of one reason shown there
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+    """A subcommand as its module describes it; the entry point adds each to its subparsers."""
+
+    name: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]   # the command's own options
+    run: Callable[[argparse.Namespace], int]                   # the handler: the exit status
+    help: str           # its line in ``te-compile --help``
+    description: str    # the head of ``te-compile NAME --help``
+
+    def add_to(self, subparsers) -> None:
+        parser = subparsers.add_parser(self.name, help=self.help, description=self.description)
+        self.add_arguments(parser)
+        parser.set_defaults(handler=self.run)
 
 
 class UsageError(Exception):

@@ -21,9 +21,9 @@ from tabulate import tabulate
 
 from ..memory import saved_for_backward_bytes
 from .checkpoint import MODELS, model_factory, save_checkpoint
-from .common import UsageError, recipe_label, site_counts, te_backend
+from .common import Command, UsageError, recipe_label, site_counts, te_backend
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 _DEFAULT_RECIPE = "Float8CurrentScaling"
 _PLOT_HINT = 'pip install "te_compile[plot]"'
@@ -323,34 +323,34 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    """The ``demo`` subcommand, on the entry point's subparsers."""
-    demo = sub.add_parser(
-        "demo", help="train a small GPT in FP8 (te) and in high precision side by side",
-        description="Train the same GPT twice on identical batches of Python standard library "
-                    "source bytes: compiled with backend='te' and with inductor in high precision.")
-    demo.add_argument("--config", metavar="PATH", help="te_compile TOML config (see examples/)")
-    demo.add_argument("--recipe", metavar="NAME",
-                      help=f"recipe class name, layered over --config (default: {_DEFAULT_RECIPE})")
-    demo.add_argument("--steps", type=int, default=60, help="training steps per run (default: 60)")
-    demo.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
-    demo.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
-    demo.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
-    demo.add_argument("--device", choices=("cpu", "cuda"),
-                      help="default: cuda when available (bf16), else cpu (fp32)")
-    demo.add_argument("--plot", metavar="OUT.png",
-                      help=f"write the loss curves (needs matplotlib: {_PLOT_HINT})")
-    demo.add_argument("--report", action="store_true",
-                      help="also print the te run's full site table (te_compile.report(): one row per "
-                           "site with its shapes and why it was or was not rewritten)")
-    demo.add_argument("--peer", choices=_PEERS,
-                      help="add a third run with a peer's FP8 training on the same model and batches: "
-                           f"torchao float8 (tensorwise; needs {_BENCH_HINT})")
-    demo.add_argument("--save", metavar="PATH",
-                      help="save the te run's trained model and recipe state for te-compile generate")
-    demo.add_argument("--model", choices=MODELS, default="small",
-                      help="small: 4 blocks of width 128 (default); moe: the same with a mixture of 8 "
-                           "experts (top-2, a shared expert) in every block; tiny: one block, for quick checks")
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", metavar="PATH", help="te_compile TOML config (see examples/)")
+    parser.add_argument("--recipe", metavar="NAME",
+                        help=f"recipe class name, layered over --config (default: {_DEFAULT_RECIPE})")
+    parser.add_argument("--steps", type=int, default=60, help="training steps per run (default: 60)")
+    parser.add_argument("--batch-size", type=int, default=8, help="sequences per step (default: 8)")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default: 3e-3)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and batches (default: 0)")
+    parser.add_argument("--device", choices=("cpu", "cuda"),
+                        help="default: cuda when available (bf16), else cpu (fp32)")
+    parser.add_argument("--plot", metavar="OUT.png",
+                        help=f"write the loss curves (needs matplotlib: {_PLOT_HINT})")
+    parser.add_argument("--report", action="store_true",
+                        help="also print the te run's full site table (te_compile.report(): one row per "
+                             "site with its shapes and why it was or was not rewritten)")
+    parser.add_argument("--peer", choices=_PEERS,
+                        help="add a third run with a peer's FP8 training on the same model and batches: "
+                             f"torchao float8 (tensorwise; needs {_BENCH_HINT})")
+    parser.add_argument("--save", metavar="PATH",
+                        help="save the te run's trained model and recipe state for te-compile generate")
+    parser.add_argument("--model", choices=MODELS, default="small",
+                        help="small: 4 blocks of width 128 (default); moe: the same with a mixture of 8 "
+                             "experts (top-2, a shared expert) in every block; tiny: one block, for quick checks")
     # for tests and quick checks: aot_eager (no inductor codegen) for both runs
-    demo.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
-    demo.set_defaults(handler=run)
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
+
+
+COMMAND = Command("demo", _add_arguments, run,
+                  help="train a small GPT in FP8 (te) and in high precision side by side",
+                  description="Train the same GPT twice on identical batches of Python standard library "
+                              "source bytes: compiled with backend='te' and with inductor in high precision.")

@@ -14,9 +14,9 @@ import torch
 from tabulate import tabulate
 
 from .checkpoint import load_checkpoint, model_factory
-from .common import UsageError, recipe_label, site_counts, te_backend
+from .common import Command, UsageError, recipe_label, site_counts, te_backend
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 
 def _greedy(model, ids: torch.Tensor, tokens: int, block: int) -> tuple[torch.Tensor, list[torch.Tensor]]:
@@ -90,18 +90,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    """The ``generate`` subcommand, on the entry point's subparsers."""
-    generate = sub.add_parser(
-        "generate", help="generate text with a model te-compile demo --save wrote, in FP8 and in high precision",
-        description="Load a checkpoint written by te-compile demo --save (read with torch.load(weights_only="
-                    "True)), then continue PROMPT greedily twice: the model compiled with backend='te' under "
-                    "no_grad (an inference graph: weights quantized once) and the model in high precision.")
-    generate.add_argument("--checkpoint", metavar="PATH", required=True, help="file from te-compile demo --save")
-    generate.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes are the tokens)")
-    generate.add_argument("--tokens", type=int, default=32, help="new tokens (default: 32)")
-    generate.add_argument("--config", metavar="PATH", help="te_compile TOML config ([inference] keys apply)")
-    generate.add_argument("--recipe", metavar="NAME",
-                          help="recipe class name, layered over --config (default: the checkpoint's)")
-    generate.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
-    generate.set_defaults(handler=run)
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--checkpoint", metavar="PATH", required=True, help="file from te-compile demo --save")
+    parser.add_argument("--prompt", required=True, help="text to continue (UTF-8 bytes are the tokens)")
+    parser.add_argument("--tokens", type=int, default=32, help="new tokens (default: 32)")
+    parser.add_argument("--config", metavar="PATH", help="te_compile TOML config ([inference] keys apply)")
+    parser.add_argument("--recipe", metavar="NAME",
+                        help="recipe class name, layered over --config (default: the checkpoint's)")
+    parser.add_argument("--compiler", choices=("inductor", "aot_eager"), help=argparse.SUPPRESS)
+
+
+COMMAND = Command("generate", _add_arguments, run,
+                  help="generate text with a model te-compile demo --save wrote, in FP8 and in high precision",
+                  description="Load a checkpoint written by te-compile demo --save (read with torch.load("
+                              "weights_only=True)), then continue PROMPT greedily twice: the model compiled "
+                              "with backend='te' under no_grad (an inference graph: weights quantized once) "
+                              "and the model in high precision.")

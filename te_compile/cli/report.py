@@ -12,9 +12,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .common import UsageError, recipe_label, te_backend
+from .common import Command, UsageError, recipe_label, te_backend
 
-__all__ = ["add_parser", "run"]
+__all__ = ["COMMAND", "run"]
 
 
 def _first_tensor(out: Any) -> Optional[torch.Tensor]:
@@ -161,19 +161,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    """The ``report`` subcommand, on the entry point's subparsers."""
-    report = sub.add_parser(
-        "report", help="compile a model factory with the te backend and print the site table",
-        description="Dry run: build MODULE:FACTORY (the current directory is importable), compile it "
-                    "with the te backend (aot_eager), run one forward and backward on a sample input "
-                    "and print which sites were rewritten and why the others were not.")
-    report.add_argument("factory", metavar="MODULE:FACTORY",
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("factory", metavar="MODULE:FACTORY",
                         help="e.g. te_compile.models:gpt_small or examples.hf_models:tiny_llama; the "
                              "factory returns a model or (model, example_input)")
-    report.add_argument("--config", metavar="PATH", help="te_compile TOML config")
-    report.add_argument("--recipe", metavar="NAME", help="recipe class name, layered over --config")
-    report.add_argument("--batch-size", type=int, default=2, help="sample batch size (default: 2)")
-    report.add_argument("--seq-len", type=int,
+    parser.add_argument("--config", metavar="PATH", help="te_compile TOML config")
+    parser.add_argument("--recipe", metavar="NAME", help="recipe class name, layered over --config")
+    parser.add_argument("--batch-size", type=int, default=2, help="sample batch size (default: 2)")
+    parser.add_argument("--seq-len", type=int,
                         help="sample sequence length (default: 64, capped at the model's maximum)")
-    report.set_defaults(handler=run)
+
+
+COMMAND = Command("report", _add_arguments, run,
+                  help="compile a model factory with the te backend and print the site table",
+                  description="Dry run: build MODULE:FACTORY (the current directory is importable), compile it "
+                              "with the te backend (aot_eager), run one forward and backward on a sample input "
+                              "and print which sites were rewritten and why the others were not.")
