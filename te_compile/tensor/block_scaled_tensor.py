@@ -244,6 +244,23 @@ class BlockScaledTensor(QuantizedTensor, BlockScaledTensorStorage):
         self._requantizer().update_quantized(tensor, self)
         return self
 
+    def _copy_from(self, src: torch.Tensor):
+        same_layout = (
+            type(src) is type(self) and src.shape == self.shape
+            and all(getattr(src, n) == getattr(self, n) for n in self._META)
+            and all((getattr(src, n) is None) == (getattr(self, n) is None) for n in self._BUFFERS)
+            and all(getattr(src, n).shape == getattr(self, n).shape for n in self._BUFFERS
+                    if getattr(self, n) is not None)
+        )
+        if same_layout:
+            # quantized <- quantized of the same format: the bytes and scales, no rounding
+            for name in self._BUFFERS:
+                if getattr(self, name) is not None:
+                    getattr(self, name).copy_(getattr(src, name))
+            return self
+        values = src.dequantize() if isinstance(src, QuantizedTensor) else src
+        return self.quantize_(values.to(self.device).expand(self.shape))
+
     def detach(self):
         return self._like()._alias_of(self)
 
@@ -486,11 +503,6 @@ def _refuse(func, args, kwargs):
     )
 
 
-@implements(BlockScaledTensor, aten.detach.default)
-def _detach(func, args, kwargs):
-    return args[0].detach()
-
-
 @implements(BlockScaledTensor, aten.clone.default)
 def _clone(func, args, kwargs):
     return args[0]._map_buffers(torch.clone)
@@ -532,26 +544,3 @@ def _new_zeros(func, args, kwargs):
 @implements(BlockScaledTensor, aten.zeros_like.default, aten.empty_like.default)
 def _zeros_like(func, args, kwargs):
     return _quantized_zeros(args[0], args[0].shape, kwargs)
-
-
-@implements(BlockScaledTensor, aten.copy_.default)
-def _copy_(func, args, kwargs):
-    dst, src = args[0], args[1]
-    if not isinstance(dst, BlockScaledTensor):
-        # plain <- quantized: copy the values
-        return dst.copy_(src.dequantize(dtype=dst.dtype))
-    same_layout = (
-        type(src) is type(dst) and src.shape == dst.shape
-        and all(getattr(src, n) == getattr(dst, n) for n in dst._META)
-        and all((getattr(src, n) is None) == (getattr(dst, n) is None) for n in dst._BUFFERS)
-        and all(getattr(src, n).shape == getattr(dst, n).shape for n in dst._BUFFERS
-                if getattr(dst, n) is not None)
-    )
-    if same_layout:
-        # quantized <- quantized of the same format: the bytes and scales, no rounding
-        for name in dst._BUFFERS:
-            if getattr(dst, name) is not None:
-                getattr(dst, name).copy_(getattr(src, name))
-        return dst
-    values = src.dequantize() if isinstance(src, QuantizedTensor) else src
-    return dst.quantize_(values.to(dst.device).expand(dst.shape))

@@ -217,6 +217,20 @@ class Float8Tensor(QuantizedTensor, Float8TensorStorage):
             quantizer.update_quantized(tensor, self)
         return self
 
+    def _copy_from(self, src: torch.Tensor) -> "Float8Tensor":
+        if isinstance(src, Float8Tensor) and src._fp8_dtype == self._fp8_dtype and src.shape == self.shape:
+            # quantized <- quantized of the same format: bytes and scale, no rounding
+            self._data.copy_(src._rowwise_data())
+            self._scale_inv.copy_(src._scale_inv)
+            self._transpose = None if src._transpose is None else src._transpose.to(self.device, copy=True)
+            if self._amax is not None:
+                # a source without one: the amax its bytes show is the best left
+                self._amax.copy_(src._amax if src._amax is not None
+                                 else tensor_amax(src.dequantize(dtype=torch.float32)))
+            return self
+        src_values = src.dequantize() if isinstance(src, QuantizedTensor) else src
+        return self.quantize_(src_values.to(self.device).expand(self.shape))
+
     def detach(self) -> "Float8Tensor":
         return self._like(self._data, data_transpose=self._transpose, amax=self._amax)._alias_of(self)
 
@@ -482,11 +496,6 @@ def _split_like(func, args, kwargs):
     return [self._like(part, amax=self._amax) for part in func(self._rowwise_data(), *args[1:], **kwargs)]
 
 
-@implements(Float8Tensor, aten.detach.default)
-def _detach(func, args, kwargs):
-    return args[0].detach()
-
-
 @implements(Float8Tensor, aten.clone.default)
 def _clone(func, args, kwargs):
     self = args[0]
@@ -528,25 +537,6 @@ def _empty_like(func, args, kwargs):
 @implements(Float8Tensor, aten.zeros_like.default)
 def _zeros_like(func, args, kwargs):
     return _new_float8(args[0], args[0].shape, 0, kwargs)
-
-
-@implements(Float8Tensor, aten.copy_.default)
-def _copy_(func, args, kwargs):
-    dst, src = args[0], args[1]
-    if not isinstance(dst, Float8Tensor):
-        # plain <- quantized: copy the values
-        return dst.copy_(src.dequantize(dtype=dst.dtype))
-    if isinstance(src, Float8Tensor) and src._fp8_dtype == dst._fp8_dtype and src.shape == dst.shape:
-        # quantized <- quantized of the same format: bytes and scale, no rounding
-        dst._data.copy_(src._rowwise_data())
-        dst._scale_inv.copy_(src._scale_inv)
-        dst._transpose = None if src._transpose is None else src._transpose.to(dst.device, copy=True)
-        if dst._amax is not None:
-            # a source without one: the amax its bytes show is the best left
-            dst._amax.copy_(src._amax if src._amax is not None else tensor_amax(src.dequantize(dtype=torch.float32)))
-        return dst
-    src_values = src.dequantize() if isinstance(src, QuantizedTensor) else src
-    return dst.quantize_(src_values.to(dst.device).expand(dst.shape))
 
 
 @implements(Float8Tensor, aten._to_copy.default)

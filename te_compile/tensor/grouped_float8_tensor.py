@@ -99,6 +99,16 @@ class GroupedFloat8Tensor(QuantizedTensor):
             self._amax.copy_(amax)
         return self
 
+    def _copy_from(self, src: torch.Tensor) -> "GroupedFloat8Tensor":
+        same = isinstance(src, GroupedFloat8Tensor) and src._fp8_dtype == self._fp8_dtype and src.shape == self.shape
+        if not same:
+            return self.quantize_(src.dequantize() if isinstance(src, QuantizedTensor) else src)
+        self._data.copy_(src._data)
+        self._scale_inv.copy_(src._scale_inv)
+        if self._amax is not None and src._amax is not None:
+            self._amax.copy_(src._amax)
+        return self
+
     def detach(self) -> "GroupedFloat8Tensor":
         return self._like(self._data, amax=self._amax)._alias_of(self)
 
@@ -171,11 +181,6 @@ def _select(func, args, kwargs):
                         dtype=self.dtype, amax=amax)
 
 
-@implements(GroupedFloat8Tensor, aten.detach.default)
-def _detach(func, args, kwargs):
-    return args[0].detach()
-
-
 @implements(GroupedFloat8Tensor, aten.clone.default)
 def _clone(func, args, kwargs):
     self = args[0]
@@ -191,20 +196,6 @@ def _to_copy(func, args, kwargs):
     dtype, kwargs = self._copy_target(kwargs)
     moved = lambda t: None if t is None else func(t, **kwargs)  # noqa: E731
     return self._like(moved(self._data), scale_inv=moved(self._scale_inv), dtype=dtype, amax=moved(self._amax))
-
-
-@implements(GroupedFloat8Tensor, aten.copy_.default)
-def _copy_(func, args, kwargs):
-    dst, src = args[0], args[1]
-    if not isinstance(dst, GroupedFloat8Tensor):
-        return dst.copy_(src.dequantize(dtype=dst.dtype))
-    if isinstance(src, GroupedFloat8Tensor) and src._fp8_dtype == dst._fp8_dtype and src.shape == dst.shape:
-        dst._data.copy_(src._data)
-        dst._scale_inv.copy_(src._scale_inv)
-        if dst._amax is not None and src._amax is not None:
-            dst._amax.copy_(src._amax)
-        return dst
-    return dst.quantize_(src.dequantize() if isinstance(src, QuantizedTensor) else src)
 
 
 # ---- FSDP2 -------------------------------------------------------------------------------------------

@@ -195,6 +195,16 @@ class QuantizedTensor(torch.Tensor):
         """Re-quantize ``tensor``'s values into self, in place."""
         raise NotImplementedError(f"{type(self).__name__}.quantize_")
 
+    def _copy_from(self, src: torch.Tensor) -> "QuantizedTensor":
+        """``self.copy_(src)`` into this format: the bytes and scales of a source in the same layout
+        (no rounding), else ``src``'s values quantized."""
+        raise NotImplementedError(f"{type(self).__name__}.copy_")
+
+    def detach(self) -> "QuantizedTensor":
+        """A tensor of the same format over the same buffers, marked an alias of self (``_alias_of``);
+        ``aten.detach`` is this too."""
+        raise NotImplementedError(f"{type(self).__name__}.detach")
+
     # FP8 primary weights (te_compile.quantized_model_init(preserve_high_precision_init_val=True))
     # keep the values they were quantized from, on the CPU, to initialize fp32 master weights. The
     # holder ([tensor, PENDING or None]) is shared with detached aliases (``weight.data``) and with the
@@ -254,3 +264,18 @@ class QuantizedTensor(torch.Tensor):
                 args[0]._hp_init[0] = result.detach().to("cpu", copy=True)
             return args[0]
         return result
+
+
+# Each format's detach() knows its buffers; the dispatcher's detach (autograd, .data) means the same.
+@implements(QuantizedTensor, torch.ops.aten.detach.default)
+def _detach(func, args, kwargs):
+    return args[0].detach()
+
+
+@implements(QuantizedTensor, torch.ops.aten.copy_.default)
+def _copy_(func, args, kwargs):
+    dst, src = args[0], args[1]
+    if not isinstance(dst, QuantizedTensor):
+        # plain <- quantized: copy the values
+        return dst.copy_(src.dequantize(dtype=dst.dtype))
+    return dst._copy_from(src)
