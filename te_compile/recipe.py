@@ -329,7 +329,17 @@ class Float8CurrentScaling(Recipe):
 
 
 @dataclass(frozen=True, repr=False)
-class MXFP8BlockScaling(Recipe):
+class _Fp8BlockFormats(Recipe):
+    """What the two FP8 block formats (MXFP8, Float8 block) hold alike: every scale is a block's own,
+    and weights in the format serve as primary weights and as the experts' grouped GEMM operands."""
+
+    per_block_scales: ClassVar[bool] = True
+    primary_weights: ClassVar[bool] = True
+    grouped_gemms: ClassVar[bool] = True
+
+
+@dataclass(frozen=True, repr=False)
+class MXFP8BlockScaling(_Fp8BlockFormats):
     """MXFP8: 32-element blocks along the contiguous dim sharing an E8M0 (power of two) scale."""
 
     block_format: ClassVar[Optional[str]] = "mxfp8"
@@ -337,12 +347,9 @@ class MXFP8BlockScaling(Recipe):
     # blocks of 32 in both directions of the weight (rowwise for fprop, columnwise for dgrad)
     gemm_alignment: ClassVar[int] = 32
     gemm_alignment_reason: ClassVar[str] = "MXFP8 scales blocks of 32 along K and N"
-    per_block_scales: ClassVar[bool] = True
     # the columnwise copy's blocks run 32 rows down
     weight_gather_block_rows: ClassVar[Optional[int]] = 32
-    primary_weights: ClassVar[bool] = True
     token_block_rows: ClassVar[Optional[int]] = 32
-    grouped_gemms: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
 
@@ -352,18 +359,15 @@ class MXFP8BlockScaling(Recipe):
 
 
 @dataclass(frozen=True, repr=False)
-class Float8BlockScaling(Recipe):
+class Float8BlockScaling(_Fp8BlockFormats):
     """DeepSeek-style FP8: 1x128 blocks (dim 1) or 128x128 tiles (dim 2) with their own scales."""
 
     block_format: ClassVar[Optional[str]] = "float8_block"
     format_label: ClassVar[str] = "FP8 block"
     # ragged 128-blocks are quantized as partial blocks: only the GEMM alignment applies
-    per_block_scales: ClassVar[bool] = True
     weight_gather_block_rows: ClassVar[Optional[int]] = 128
-    primary_weights: ClassVar[bool] = True
     # wgrad's columnwise copies of x and grad_output: 128 rows down (128x1 blocks, or 128x128 tiles)
     token_block_rows: ClassVar[Optional[int]] = 128
-    grouped_gemms: ClassVar[bool] = True
 
     fp8_format: Format = Format.E4M3
     x_block_scaling_dim: int = 1
