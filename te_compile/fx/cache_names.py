@@ -34,7 +34,7 @@ import torch.fx as fx
 
 from ..tensor.cache_identity import source_digest
 
-__all__ = ["publish_lowerings", "source_digest"]
+__all__ = ["publish_lowerings", "source_digest", "name_lowering"]
 
 log = logging.getLogger("te_compile")
 
@@ -135,6 +135,12 @@ def _trace_facts() -> str:
     return f"cpu_emulates_scaled_mm={per_tensor.cpu_emulates_scaled_mm()}"
 
 
+def name_lowering(lowering: Any, name: str, module: str) -> None:
+    """Name a lowering object as the function it stands for: generated code calls it ``module.name``."""
+    lowering.__name__ = lowering.__qualname__ = name
+    lowering.__module__ = module
+
+
 def _publish(lowering: Any, facts: str) -> Optional[Any]:
     """The published object equal to ``lowering`` (itself, renamed, if it is the first), or None."""
     base = getattr(lowering, "_te_base_name", lowering.__name__)
@@ -148,8 +154,7 @@ def _publish(lowering: Any, facts: str) -> Optional[Any]:
     name = f"{base}_{digest}"
     if name not in _published:
         lowering._te_base_name = base
-        lowering.__name__ = lowering.__qualname__ = name
-        lowering.__module__ = __name__
+        name_lowering(lowering, name, __name__)
         _published[name] = lowering
     return _published[name]
 

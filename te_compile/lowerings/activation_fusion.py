@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
 from ..quantization import current_scale, quantize_per_tensor, quantize_rows_per_group
@@ -192,9 +193,7 @@ class ActivationLinearLowering:
     def __init__(self, spec: ActivationLinearSpec, linear: LinearLowering) -> None:
         self.spec = spec
         self._linear = linear
-        self.__name__ = f"te_{spec.kind}_linear_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_{spec.kind}_linear_{spec.recipe.name}", __name__)
 
     def __call__(self, h, u, shape, weight, bias, *delayed):
         if autocast_dtype(h) is not None:
@@ -271,9 +270,7 @@ class ActivationGroupedLinearLowering:
     def __init__(self, spec: ActivationLinearSpec, grouped: GroupedLinearLowering) -> None:
         self.spec = spec
         self._grouped = grouped
-        self.__name__ = f"te_{spec.kind}_grouped_linear_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_{spec.kind}_grouped_linear_{spec.recipe.name}", __name__)
 
     def __call__(self, h, u, shape, w_ekn, offs, *delayed):
         state = delayed or (None,) * 4
