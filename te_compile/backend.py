@@ -17,6 +17,7 @@ from .eager_experts import trace_eager_experts
 from .library_warnings import ignore_library_warnings
 from .passes import run_passes
 from .passes.async_tp import async_tp_enabled
+from .passes.settings import resolve_settings
 from .fx.micro_pipeline import micro_pipeline_tp
 from .report import Report, add_records, next_graph_id
 
@@ -147,8 +148,11 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
              mode: Optional[str]) -> Callable:
     trace_eager_experts()   # classes loaded since, and the hook again after a torch._dynamo.reset()
     gm = _private_copy(gm)
+    graph_id = next_graph_id()
     try:
-        result = run_passes(gm, example_inputs, config, graph_id=next_graph_id())
+        # the grad mode, mesh and pipeline stage of this moment decide what the config means here
+        settings = resolve_settings(config, example_inputs)
+        result = run_passes(gm, example_inputs, settings, graph_id=graph_id)
     except ConfigError as e:   # e.g. an amax group this rank is not in: our message first
         raise CompileConfigError(str(e)) from None
     records = result.records

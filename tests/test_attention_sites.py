@@ -365,6 +365,7 @@ def test_sdpa_on_dtensors_split_along_the_sequence_is_left_to_torchs_context_par
 
     from te_compile.config import resolve_config
     from te_compile.passes import run_passes
+    from te_compile.passes.settings import resolve_settings
 
     config = resolve_config({"recipe": "Float8CurrentScaling", "rewrite": {"sdpa": True}})
     reasons = {}
@@ -379,7 +380,8 @@ def test_sdpa_on_dtensors_split_along_the_sequence_is_left_to_torchs_context_par
             graph.output(out)
             for node in (q, k, v, out):
                 node.meta["example_value"] = x
-            [row] = [r for r in run_passes(torch.fx.GraphModule({}, graph), [x, x, x], config).records
+            settings = resolve_settings(config, [x, x, x])
+            [row] = [r for r in run_passes(torch.fx.GraphModule({}, graph), [x, x, x], settings).records
                      if r.op == "sdpa"]
             assert not row.rewritten, row
             reasons[dim] = row.reason

@@ -1,9 +1,9 @@
 """FX graph rewrites: ``run_passes`` applies ``PASSES`` in order to every graph of a Dynamo capture.
 
 The pass order, what each pass hands the next and why: README.md beside this file. The driver knows
-no site kind and works out no setting (settings.py resolves them first): it runs each pass over each
-graph, lets the recipe state collected on the way wire itself in, and cleans up (dead code, stable
-lowering names for AOTAutograd's cache, lint, recompile).
+no site kind and works out no setting (the backend resolves them with settings.py and hands them
+over): it runs each pass over each graph, lets the recipe state collected on the way wire itself in,
+and cleans up (dead code, stable lowering names for AOTAutograd's cache, lint, recompile).
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ from typing import Callable, Optional, Sequence
 import torch
 import torch.fx as fx
 
-from ..config import TeConfig
 from ..report import SiteRecord
 from ..fx.cache_names import publish_lowerings
 from ..fx.graphs import GraphScope, graph_scopes
@@ -28,7 +27,7 @@ from .activation_fusion import fuse_activations, fuse_hand_written_activations
 from .attention import rewrite_attention
 from .attention_projection import hand_off_fp8_mha
 from .norm_fusion import fuse_norms
-from .settings import resolve_settings
+from .settings import PassSettings
 
 __all__ = ["run_passes", "PassContext", "PassResult", "PASSES"]
 
@@ -64,11 +63,11 @@ class PassResult:
         return [t for extra in self.extra_inputs for t in extra.tensors(args)]
 
 
-def run_passes(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence, settings: PassSettings,
                graph_id: int = 0) -> PassResult:
-    """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place; return one record per site
-    seen and the extra inputs the rewritten graph takes."""
-    settings = resolve_settings(config, example_inputs)
+    """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place, under ``settings`` (the caller
+    resolves them for this graph: ``settings.resolve_settings``); return one record per site seen and
+    the extra inputs the rewritten graph takes."""
     scopes = graph_scopes(gm, example_inputs)
     # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
     # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
