@@ -62,6 +62,34 @@ def test_emulation_gives_scaled_mm_bits_eager_and_compiled(case, b_row_major):
 
 
 @needs_emulation
+def test_the_emulation_copies_no_operand_it_lays_out_itself():
+    """A per-tensor linear's graphs on the CPU: the emulated GEMM makes its fp32 upcasts row-major, so
+    dgrad's weight operand gets no column-major FP8 copy first, and only an upcast that is not already
+    row-major gets its layout forced (forward: the weight's transpose; backward: wgrad's two
+    transposed operands). Every node here is traced, partitioned and lowered at every compile."""
+    import collections
+
+    import torch._inductor.config as inductor_config
+
+    import te_compile
+
+    graphs = []
+
+    def grab(graph):
+        graphs.append(collections.Counter(str(n.target) for n in graph.nodes if n.op == "call_function"))
+
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(64, 32, bias=False)
+    with inductor_config.patch(post_grad_custom_pre_pass=grab):
+        torch.compile(layer, backend="te")(torch.randn(16, 64, requires_grad=True)).sum().backward()
+    torch._dynamo.reset()
+    forward, backward = graphs
+    force = "prims.inductor_force_stride_order.default"
+    assert (forward["aten.mm.default"], forward[force]) == (1, 1), forward
+    assert (backward["aten.mm.default"], backward[force], backward["aten.clone.default"]) == (2, 2, 0), backward
+
+
+@needs_emulation
 def test_a_mismatch_keeps_scaled_mm(monkeypatch):
     """Where the emulation's bits would differ on some machine, the check says so and fp8_gemm calls
     _scaled_mm."""

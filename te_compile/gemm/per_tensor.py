@@ -16,12 +16,13 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import _disable_current_modes
+from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
 
-__all__ = ["fp8_gemm", "scaled_mm", "column_major", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind",
-           "CUDA_ALIGN"]
+__all__ = ["fp8_gemm", "scaled_mm", "column_major", "operand_a", "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm",
+           "cpu_emulates_scaled_mm", "fp8_gemm_kind", "CUDA_ALIGN"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +38,10 @@ def uses_native_fp8_gemm(device: torch.device) -> bool:
 def _row_major(t: torch.Tensor) -> torch.Tensor:
     """``t`` [R, C] laid out row-major, also in inductor's output: it drops a bare ``contiguous()``
     before a pointwise op and keeps the input's layout, and a BLAS matmul can round differently for
-    a transposed operand (seen at 8x256x8)."""
+    a transposed operand (seen at 8x256x8). A ``t`` already row-major (the upcast of a row-major
+    operand: inductor lays a pointwise result out as its input) is returned as it is, no node."""
+    if is_contiguous_or_false(t):
+        return t
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     if force is None:
         return t.contiguous()
@@ -58,6 +62,29 @@ def column_major(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
     if not shared or force is None:
         return out
     return force.default(out, (1, t.shape[0]))
+
+
+def emulates_fp8_gemm(device: torch.device) -> bool:
+    """Does ``fp8_gemm`` on ``device`` run as its fp32 emulation rather than torch._scaled_mm (the CPU,
+    where the emulation gives _scaled_mm's bits; a GPU without FP8 GEMMs)?"""
+    device = torch.device(device)
+    return not uses_native_fp8_gemm(device) or (device.type == "cpu" and cpu_emulates_scaled_mm())
+
+
+def operand_a(t: torch.Tensor) -> torch.Tensor:
+    """``fp8_gemm``'s a operand from ``t`` [M, K] in any layout: row-major for torch._scaled_mm, ``t``
+    as it is for the emulation, which lays its fp32 upcast out row-major itself (a copy first would
+    be one more node to trace at every compile, and on the CPU a copy undone at once)."""
+    return t if emulates_fp8_gemm(t.device) else t.contiguous()
+
+
+def operand_b(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
+    """``fp8_gemm``'s b operand from ``t`` [K, N] in any layout: ``column_major(t, shared)`` for
+    torch._scaled_mm, ``t`` as it is for the emulation (see ``operand_a``): dgrad's weight operand,
+    the forward's row-major FP8 copy, then needs no copy on the CPU at all. Where a copy (or its
+    absence) would change what the partitioner saves for backward, callers keep ``column_major``
+    so that the CPU saves what a GPU saves."""
+    return t if emulates_fp8_gemm(t.device) else column_major(t, shared)
 
 
 def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:
@@ -123,8 +150,8 @@ def _canonical_strides(t: torch.Tensor) -> torch.Tensor:
 
 
 def fp8_gemm(
-    a: torch.Tensor,          # fp8 [M, K], row-major
-    b: torch.Tensor,          # fp8 [K, N], column-major (the transpose of a row-major [N, K])
+    a: torch.Tensor,          # fp8 [M, K], row-major (``operand_a``)
+    b: torch.Tensor,          # fp8 [K, N], column-major (``operand_b``; the transpose of a row-major [N, K])
     a_scale_inv: torch.Tensor,  # fp32 [1]
     b_scale_inv: torch.Tensor,  # fp32 [1]
     out_dtype: torch.dtype,
@@ -134,9 +161,10 @@ def fp8_gemm(
     ``fast_accum``: torch._scaled_mm's ``use_fast_accum`` on CUDA (the emulation accumulates in fp32).
 
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
-    too, so callers must produce them; eager would accept any layout and hide the mistake.
+    too, so callers must produce them (``operand_a``, ``operand_b``, which leave them to the emulation
+    where it runs); eager would accept any layout and hide the mistake.
     """
-    if not uses_native_fp8_gemm(a.device) or (a.device.type == "cpu" and cpu_emulates_scaled_mm()):
+    if emulates_fp8_gemm(a.device):
         # the [1] scales broadcast as they are: no reshape nodes (3 GEMMs a site, each node is
         # traced, partitioned and lowered at every compile)
         return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from ..autocast import autocast_dtype
 from ..distributed import is_dtensor, reduce_amaxes
-from ..gemm.per_tensor import column_major, fp8_gemm
+from ..gemm.per_tensor import column_major, fp8_gemm, operand_a
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
@@ -336,7 +336,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             # tokens), 34 GB against this 1 GB.
             with torch.autocast(grad_loss.device.type, enabled=False):
                 dw = (g_all.t() @ x * grad if recipe is None
-                      else fp8_gemm(g_all.t().contiguous(), column_major(x), g_sinv, saved["x_sinv"],
+                      else fp8_gemm(operand_a(g_all.t()), column_major(x), g_sinv, saved["x_sinv"],
                                     out_dtype=torch.float32))
             dw = dw.to(w_dtype)
         if need_db:
