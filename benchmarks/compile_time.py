@@ -104,6 +104,7 @@ def _child(args: argparse.Namespace) -> None:
         loss.item()
         sync()
 
+    nodes = _count_nodes()
     # from the torch.compile call: backend="inductor" imports inductor there, te at its first graph
     cpu0 = resource.getrusage(resource.RUSAGE_SELF)
     t1 = time.perf_counter()
@@ -122,6 +123,7 @@ def _child(args: argparse.Namespace) -> None:
     result = {"import_s": import_s, "first_step_s": first_step_s,
               "first_step_cpu_s": cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime,
               "cpp_modules": len(cpp), "cpp_lines": sum(open(f).read().count("\n") for f in cpp),
+              "post_grad_nodes": nodes.count,
               "aot": {k: aot[f"autograd_cache_{k}"] for k in ("hit", "miss", "bypass")},
               "fxgraph": {k: counters["inductor"][f"fxgraph_cache_{k}"] for k in ("hit", "miss")}}
     step(compiled, *batches[1])   # untimed: anything the second call still sets up
@@ -132,6 +134,28 @@ def _child(args: argparse.Namespace) -> None:
         times.append(time.perf_counter() - t2)
     result["tokens_per_s"] = batch * block_size / statistics.median(times)
     print(json.dumps(result))
+
+
+def _count_nodes():
+    """Counts the operator nodes of every graph inductor lowers (forward and backward after
+    AOTAutograd's partition, before inductor's own post-grad passes): each is traced, partitioned,
+    lowered and scheduled, so they track the Python side of a compile. A constant uuid keeps the FX
+    graph cache as it is without the pass; a warm run that hits it lowers nothing and counts 0."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    class CountNodes(CustomGraphPass):
+        count = 0
+
+        def __call__(self, graph) -> None:
+            self.count += sum(node.op == "call_function" for node in graph.nodes)
+
+        def uuid(self) -> str:
+            return "benchmarks.compile_time.count_nodes"
+
+    counter = CountNodes()
+    inductor_config.post_grad_custom_pre_pass = counter
+    return counter
 
 
 def _run_child(provider: str, cache_dir: str, args: argparse.Namespace) -> dict:
@@ -233,16 +257,18 @@ def main() -> None:
 def _print_compile_work(cold: dict[str, list[dict]], tabulate) -> None:
     """The cold step's work in counts that move less with the machine's load than its seconds: the
     measuring process's CPU seconds (Dynamo, AOTAutograd, inductor's Python; the C++ compiler runs in
-    worker processes) and the C++ kernel modules inductor built, with their lines."""
+    worker processes), the operator nodes of the graphs inductor lowered, and the C++ kernel modules
+    it built, with their lines."""
     def med(label, key):
         return statistics.median(r[key] for r in cold[label])
 
     base = med("inductor", "first_step_cpu_s")
     rows = [(label, f"{med(label, 'first_step_cpu_s'):.1f}", f"{med(label, 'first_step_cpu_s') / base:.2f}x",
-             f"{med(label, 'cpp_modules'):.0f}", f"{med(label, 'cpp_lines'):,.0f}") for label in cold]
+             f"{med(label, 'post_grad_nodes'):,.0f}", f"{med(label, 'cpp_modules'):.0f}",
+             f"{med(label, 'cpp_lines'):,.0f}") for label in cold]
     print("\nthe cold first step's compile work (medians over the rounds)")
-    print(tabulate(rows, headers=["provider", "CPU s, measuring process", "vs inductor", "C++ modules",
-                                  "C++ lines"], disable_numparse=True))
+    print(tabulate(rows, headers=["provider", "CPU s, measuring process", "vs inductor", "graph nodes",
+                                  "C++ modules", "C++ lines"], disable_numparse=True))
 
 
 if __name__ == "__main__":
