@@ -18,7 +18,10 @@ from .library_warnings import ignore_library_warnings
 from .passes import run_passes
 from .passes.async_tp import async_tp_enabled
 from .passes.settings import resolve_settings
+from .fx.graphs import graph_scopes
 from .fx.micro_pipeline import micro_pipeline_tp
+from .fx.offload import OffloadPartitioner
+from .hardware import is_activation_offload_available
 from .report import Report, add_records, next_graph_id
 
 __all__ = ["te_backend", "backend"]
@@ -61,22 +64,27 @@ def _inner_compile(gm: fx.GraphModule, example_inputs: Sequence, **kwargs):
 
 
 def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
-                    mode: Optional[str], cacheable: Optional[dict[str, str]] = None) -> Callable:
+                    mode: Optional[str], cacheable: Optional[dict[str, str]] = None,
+                    offload: Optional[OffloadPartitioner] = None) -> Callable:
     """aot_eager or inductor (with ``mode``'s options) on the rewritten graph. ``cacheable``: the
     lowerings' published names (fx/cache_names.py), vouched for to AOTAutograd's cache while
-    this graph compiles, which then keys the graph by them instead of bypassing it."""
+    this graph compiles, which then keys the graph by them instead of bypassing it. ``offload``: the
+    partitioner that moves the saved tensors to host memory (fx/offload.py), or None."""
     async_tp = async_tp_enabled(config)
     if config.compiler == "aot_eager":
-        from torch._dynamo.backends.debugging import aot_eager, boxed_nop
-
-        if not async_tp:
-            return aot_eager(gm, example_inputs)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._dynamo.backends.debugging import boxed_nop
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def pipelined(graph, inputs):   # what inductor's post-grad passes would do for async TP
             micro_pipeline_tp(graph)
             return boxed_nop(graph, inputs)
 
-        return aot_eager(gm, example_inputs, fw_compiler=pipelined, bw_compiler=pipelined)
+        # aot_eager's own settings, with te's partitioner and the async TP pass where asked for
+        step = pipelined if async_tp else boxed_nop
+        return aot_autograd(fw_compiler=step, bw_compiler=step, keep_inference_input_mutations=True,
+                            partition_fn=offload or min_cut_rematerialization_partition)(gm, example_inputs)
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import list_mode_options
     from torch._inductor.compile_fx import compile_fx
@@ -87,7 +95,33 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}
-    return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+    if offload is None:
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+    patches["custom_partitioner_fn"] = offload
+    # AOTAutograd's cache would skip the partition, and with it the report's offload rows; inductor's
+    # FX graph cache still keeps the partitioned graphs
+    with functorch_config.patch(enable_autograd_cache=False):
+        return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+
+
+def _graph_device(example_inputs: Sequence) -> torch.device:
+    """The device the graph computes on: its first tensor input off the CPU, else the CPU."""
+    devices = [t.device for t in example_inputs if isinstance(t, torch.Tensor)]
+    return next((d for d in devices if d.type != "cpu"), torch.device("cpu"))
+
+
+def _offload_partitioner(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
+                         graph_id: int) -> Optional[OffloadPartitioner]:
+    """te's offloading partitioner for a graph that trains, when the config offloads anything; a
+    config error where the device or torch cannot (never a silent no-op)."""
+    key = config.offload_key()
+    if key is None or not torch.is_grad_enabled():
+        return None
+    device = _graph_device(example_inputs)
+    ok, why = is_activation_offload_available(return_reason=True, device=device)
+    if not ok:
+        raise ConfigError(f"{config.source}: {key}: {why}; set it to false here")
+    return OffloadPartitioner(config, graph_scopes(gm, example_inputs)[0].fqn, device, graph_id)
 
 
 def _private_copy(gm: fx.GraphModule) -> fx.GraphModule:
@@ -150,6 +184,7 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     gm = _private_copy(gm)
     graph_id = next_graph_id()
     try:
+        offload = _offload_partitioner(gm, example_inputs, config, graph_id)
         # the grad mode, mesh and pipeline stage of this moment decide what the config means here
         settings = resolve_settings(config, example_inputs)
         result = run_passes(gm, example_inputs, settings, graph_id=graph_id)
@@ -159,8 +194,10 @@ def _compile(gm: fx.GraphModule, example_inputs: Sequence, config: TeConfig,
     # Dynamo may abandon this attempt (e.g. a restart that specializes a float): the final
     # compiler raises then, and only a compile that went through is reported.
     extra = _static_examples(result.extra_tensors(example_inputs), example_inputs)
-    compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode, result.cacheable), result)
-    add_records(records)
+    partitioner = {"offload": offload} if offload is not None else {}
+    compiled = _per_call(_final_compiler(gm, [*example_inputs, *extra], config, mode, result.cacheable,
+                                         **partitioner), result)
+    add_records(records + (offload.records if offload is not None else []))
     if result.instances is not None:
         result.instances.seen.add(id(example_inputs[result.instances.anchor_index]))
     if records:

@@ -18,6 +18,7 @@ __all__ = [
     "is_mxfp8_available",
     "is_fp8_block_scaling_available",
     "is_nvfp4_available",
+    "is_activation_offload_available",
 ]
 
 DeviceLike = Optional[Union[str, torch.device]]
@@ -101,3 +102,40 @@ def is_fp8_block_scaling_available(return_reason: bool = False, device: DeviceLi
 def is_nvfp4_available(return_reason: bool = False, device: DeviceLike = None):
     """NVFP4 GEMMs: Blackwell (sm100+) only; emulated elsewhere."""
     return _probe(device, "NVFP4", _EMULATED_ON_CPU, (10, 0), return_reason)
+
+
+# torch._functorch.config flags activation offload needs: the partitioner's offload/reload insertion,
+# its side-stream form and the backward's reload prefetch
+_OFFLOAD_FLAGS = ("enable_activation_offloading", "activation_offload_separate_stream", "activation_reload_prefetch")
+
+
+def is_activation_offload_available(return_reason: bool = False, device: DeviceLike = None):
+    """Moving the compiled graphs' saved tensors to host memory (``[memory] offload_activations``).
+
+    torch's partitioner inserts the transfers (``torch._functorch._activation_offloading``, behind
+    ``torch._functorch.config.enable_activation_offloading``). On an accelerator te runs them on a side
+    stream into pinned memory with the ``ao::offload`` / ``ao::reload`` / ``ao::wait_tensor`` ops; on
+    a CPU they are host copies on the compute thread. Other devices have neither."""
+    import torch._functorch.config as functorch_config
+
+    version = torch.__version__.split("+")[0]
+    missing = [flag for flag in _OFFLOAD_FLAGS if not hasattr(functorch_config, flag)]
+    if missing:
+        return _answer(False, f"activation offload: torch {version} has no activation offloading in its "
+                       f"partitioner (torch._functorch.config lacks {', '.join(missing)})", return_reason)
+    device = _device(device)
+    if device.type == "cpu":
+        return _answer(True, "activation offload: on CPU the transfers are host copies (no side stream)",
+                       return_reason)
+    accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+    if accelerator is None or accelerator.type != device.type:
+        return _answer(False, f"activation offload: device {device} is neither the CPU nor this process's "
+                       f"accelerator ({accelerator or 'none'}), which the side stream needs", return_reason)
+    try:
+        from torch._functorch._activation_offloading import offload_ops  # noqa: F401 (registers the ops)
+    except ImportError:
+        return _answer(False, f"activation offload: torch {version} has the partitioner flags but not the "
+                       "ao::offload / ao::reload ops (torch._functorch._activation_offloading.offload_ops) "
+                       "te runs the side-stream transfers with", return_reason)
+    return _answer(True, f"activation offload: side-stream transfers to pinned host memory on {device}",
+                   return_reason)

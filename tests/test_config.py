@@ -390,7 +390,7 @@ def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
                      r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group', 'mesh', "
-                     r"'inference'\]", message), message
+                     r"'inference', 'memory'\]", message), message
 
 
 def test_error_unknown_recipe_name(error_for):
@@ -504,10 +504,10 @@ def test_valid_bracket_globs():
 def test_error_override_keys(error_for):
     message = error_for('[[overrides]]\nmodules = "x"\nrecipe = "none"\nprecision = "bf16"\n')
     assert message == ("bad.toml: overrides[0].precision: unknown key; "
-                       "allowed keys: ['modules', 'recipe', 'recipe_options']")
+                       "allowed keys: ['modules', 'recipe', 'recipe_options', 'offload_activations']")
     message = error_for('[[overrides]]\nrecipe = "none"\n')
     assert message.startswith("bad.toml: overrides[0].modules: missing required key")
-    assert "['modules', 'recipe', 'recipe_options']" in message
+    assert "['modules', 'recipe', 'recipe_options', 'offload_activations']" in message
 
 
 def test_error_override_recipe(tmp_path, error_for):

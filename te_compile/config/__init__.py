@@ -6,7 +6,8 @@ path. Users, docs and tests import both from here.
 """
 
 from .loading import config_argument, config_from_dict, load_config, resolve_config
-from .schema import ConfigError, DistributedConfig, InferenceConfig, Override, RewriteConfig, TeConfig
+from .schema import (ConfigError, DistributedConfig, InferenceConfig, MemoryConfig, Override, RewriteConfig,
+                     TeConfig)
 
 __all__ = [
     "ConfigError",
@@ -14,6 +15,7 @@ __all__ = [
     "Override",
     "DistributedConfig",
     "InferenceConfig",
+    "MemoryConfig",
     "TeConfig",
     "load_config",
     "config_from_dict",

@@ -33,6 +33,7 @@ from .schema import (
     ConfigError,
     DistributedConfig,
     InferenceConfig,
+    MemoryConfig,
     Override,
     RewriteConfig,
     TeConfig,
@@ -46,10 +47,11 @@ __all__ = ["load_config", "config_from_dict", "resolve_config", "config_argument
 _ENV_VAR = "TE_COMPILE_CONFIG"
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "distributed",
-             "amax_group", "mesh", "inference")
+             "amax_group", "mesh", "inference", "memory")
 _DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims",
                      "context_parallel", "async_tp")
-_OVERRIDE_KEYS = ("modules", "recipe", "recipe_options")
+_OVERRIDE_KEYS = ("modules", "recipe", "recipe_options", "offload_activations")
+_MEMORY_KEYS = ("offload_activations",)
 
 
 def _error(source: str, key: str, problem: str) -> ConfigError:
@@ -223,21 +225,39 @@ def _build_override(item: Any, index: int, global_recipe: Optional[Recipe], sour
     key = f"overrides[{index}]"
     table = _table(item, key, source)
     _check_keys(table, _OVERRIDE_KEYS, f"{key}.", source)
-    # Both are required: an override without a recipe would be ambiguous (global or default?).
+    offload = table.get("offload_activations")
+    if offload is not None:
+        offload = _convert(offload, bool, f"{key}.offload_activations", source)
+    # Both are required, but for an override that only sets offload_activations: an override
+    # without a recipe would be ambiguous (global or default?).
     for required in ("modules", "recipe"):
-        if required not in table:
+        if required not in table and (required == "modules" or offload is None):
             raise _error(source, f"{key}.{required}",
-                         f"missing required key; an override has keys {list(_OVERRIDE_KEYS)}")
+                         f"missing required key; an override has keys {list(_OVERRIDE_KEYS)} "
+                         f"(recipe may be left out when offload_activations is set)")
     problem = glob_problem(table["modules"])
     if problem:
         raise _error(source, f"{key}.modules", problem)
+    if "recipe" not in table:
+        if "recipe_options" in table:
+            raise _error(source, f"{key}.recipe_options", "given without a recipe; name the recipe they belong to")
+        # recipe_for passes over it: the module keeps the recipe the other overrides give it
+        return Override(table["modules"], None, offload, sets_recipe=False)
     recipe, options = table["recipe"], table.get("recipe_options")
     # Naming the global recipe with no options of its own means "the global recipe here too",
     # e.g. to re-enable it inside a broader "none" override that comes later.
     if (options is None and global_recipe is not None and isinstance(recipe, str)
             and recipe == type(global_recipe).__name__):
-        return Override(table["modules"], global_recipe)
-    return Override(table["modules"], _build_recipe(recipe, options, f"{key}.recipe", source))
+        return Override(table["modules"], global_recipe, offload)
+    return Override(table["modules"], _build_recipe(recipe, options, f"{key}.recipe", source), offload)
+
+
+def _build_memory(value: Any, source: str) -> MemoryConfig:
+    if isinstance(value, MemoryConfig):
+        return value
+    table = _table(value, "memory", source)
+    _check_keys(table, _MEMORY_KEYS, "memory.", source)
+    return MemoryConfig(**{k: _convert(v, bool, f"memory.{k}", source) for k, v in table.items()})
 
 
 def _build_distributed(data: Mapping, source: str) -> DistributedConfig:
@@ -308,7 +328,8 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
                       "native_block_gemm", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
                     native_block_gemm=native, distributed=_build_distributed(data, source),
-                    inference=_build_inference(data.get("inference", {}), source), source=source)
+                    inference=_build_inference(data.get("inference", {}), source),
+                    memory=_build_memory(data.get("memory", {}), source), source=source)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ from ..recipe import Float8CurrentScaling, Recipe
 
 __all__ = [
     # the config's types
-    "ConfigError", "TeConfig", "RewriteConfig", "Override", "DistributedConfig", "InferenceConfig",
+    "ConfigError", "TeConfig", "RewriteConfig", "Override", "DistributedConfig", "InferenceConfig", "MemoryConfig",
     # value checks the TOML loader reports with a source and key path
     "COMPILERS", "INFERENCE_CHOICES", "AMAX_GROUP_NAMES", "EXPERT_AMAX_GROUP_NAMES",
     "glob_problem", "group_problem", "is_mesh",
@@ -86,10 +86,16 @@ class RewriteConfig:
 
 @dataclass(frozen=True)
 class Override:
-    """A per-module recipe: ``modules`` is an fnmatch glob over the module FQN."""
+    """A per-module recipe (and activation offload): ``modules`` is an fnmatch glob over the module FQN."""
 
     modules: str  # e.g. "layers.*.mlp.*"; '*' also matches across dots
     recipe: Optional[Recipe]  # None keeps the matching modules in high precision
+    # True / False: offload (or not) the saved tensors the matching modules' forward makes, whatever
+    # [memory] says; None: [memory]'s setting
+    offload_activations: Optional[bool] = None
+    # False: the override sets only offload_activations (its TOML table names no recipe), so
+    # recipe_for passes over it to the next match and ``recipe`` is unused
+    sets_recipe: bool = True
 
     def __post_init__(self):
         problem = glob_problem(self.modules)
@@ -97,6 +103,27 @@ class Override:
             raise ValueError(f"Override.modules {problem}")
         if self.recipe is not None and not isinstance(self.recipe, Recipe):
             raise ValueError(f"Override.recipe must be a Recipe or None, got {self.recipe!r}")
+        if self.offload_activations not in (None, True, False):
+            raise ValueError(f"Override.offload_activations must be true, false or None, "
+                             f"got {self.offload_activations!r}")
+        if not self.sets_recipe and self.offload_activations is None:
+            raise ValueError("an Override that sets no recipe must set offload_activations")
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """What te does to the memory a training step holds (docs/memory.md)."""
+
+    # The tensors the compiled forward saves for its backward move to host memory after their last
+    # forward use and come back before their first backward use (torch's partitioner machinery; on an
+    # accelerator on a side stream into pinned memory): device memory for PCIe traffic. FP8 saved
+    # tensors move as their bytes and scales. [[overrides]] may set it per module.
+    offload_activations: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.offload_activations, bool):
+            raise ValueError(f"MemoryConfig.offload_activations must be true or false, "
+                             f"got {self.offload_activations!r}")
 
 
 def group_problem(value: Any, names: tuple[str, ...]) -> Optional[str]:
@@ -235,6 +262,7 @@ class TeConfig:
     native_block_gemm: bool = True
     distributed: DistributedConfig = DistributedConfig()
     inference: InferenceConfig = InferenceConfig()
+    memory: MemoryConfig = MemoryConfig()
     source: str = "<defaults>"  # where the config came from, for messages and reports
 
     def __post_init__(self):
@@ -260,11 +288,26 @@ class TeConfig:
         return replace(self, recipe=swap(self.recipe), rewrite=rewrite,
                        overrides=tuple(replace(o, recipe=swap(o.recipe)) for o in self.overrides))
 
+    def offload_for(self, fqn: str) -> bool:
+        """Whether the saved tensors of module ``fqn``'s forward are offloaded: the first matching
+        override that sets ``offload_activations``, else ``[memory] offload_activations``."""
+        for override in self.overrides:
+            if override.offload_activations is not None and fnmatchcase(fqn, override.modules):
+                return override.offload_activations
+        return self.memory.offload_activations
+
+    def offload_key(self) -> Optional[str]:
+        """The key that turns activation offload on somewhere (for error messages), or None if off."""
+        if self.memory.offload_activations:
+            return "memory.offload_activations"
+        return next((f"overrides[{i}].offload_activations" for i, o in enumerate(self.overrides)
+                     if o.offload_activations), None)
+
     def recipe_for(self, fqn: str) -> tuple[Optional[Recipe], str]:
         """(recipe, why) for a module FQN: the first matching override, else the global recipe."""
         for override in self.overrides:
             # fnmatchcase: module names are case-sensitive on every platform
-            if fnmatchcase(fqn, override.modules):
+            if override.sets_recipe and fnmatchcase(fqn, override.modules):
                 return override.recipe, f"override {override.modules!r}"
         return self.recipe, "global"
 

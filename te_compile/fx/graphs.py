@@ -208,8 +208,10 @@ def normalize_path(path: str) -> str:
 
 def module_fqn(node: fx.Node) -> str:
     """The innermost module a node was traced in, named from the compiled frame's root ("" for the
-    root itself; GraphScope.fqn makes it the model's name)."""
-    stack = node.meta.get("nn_module_stack")
+    root itself; GraphScope.fqn makes it the model's name). A node of AOTAutograd's joint graph that
+    computes a gradient has none of its own; its ``fwd_nn_module_stack`` names the module it
+    differentiates (the partitioner may move such a node into the forward)."""
+    stack = node.meta.get("nn_module_stack") or node.meta.get("fwd_nn_module_stack")
     if not stack:
         return ""
     path, _ = list(stack.values())[-1]
