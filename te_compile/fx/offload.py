@@ -42,7 +42,7 @@ from ..config import TeConfig
 from ..report import SiteRecord
 from .graphs import module_fqn
 
-__all__ = ["OffloadPartitioner", "offload_flags", "OFFLOAD_PREFIX", "RELOAD_PREFIX"]
+__all__ = ["OffloadPartitioner", "offload_flags", "moved_bytes", "OFFLOAD_PREFIX", "RELOAD_PREFIX"]
 
 # the names torch's pass gives the transfer nodes (its identifiers for them, as in its own code)
 OFFLOAD_PREFIX = "cpu_offload_"
@@ -179,6 +179,16 @@ class OffloadPartitioner(CustomPartitionerFn):
 def _is_wait(node: fx.Node) -> bool:
     ao = getattr(torch.ops, "ao", None)
     return ao is not None and hasattr(ao, "wait_tensor") and node.target is ao.wait_tensor.default
+
+
+def moved_bytes(records: Sequence[SiteRecord]) -> int:
+    """Bytes the offload rows among ``records`` say move to host memory per step (each way)."""
+    total = 0
+    for record in records:
+        if record.op == "offload" and record.rewritten:
+            # "offloaded N saved tensors, X B: ..." (OffloadPartitioner._rows)
+            total += int(record.reason.split(", ", 1)[1].split(" B", 1)[0].replace(",", ""))
+    return total
 
 
 def _view_chain(node: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
