@@ -72,18 +72,19 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     partitioner that moves the saved tensors to host memory (fx/offload.py), or None."""
     async_tp = async_tp_enabled(config)
     if config.compiler == "aot_eager":
+        from torch._dynamo.backends import debugging
         from torch._dynamo.backends.common import aot_autograd
-        from torch._dynamo.backends.debugging import boxed_nop
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
 
         def pipelined(graph, inputs):   # what inductor's post-grad passes would do for async TP
             micro_pipeline_tp(graph)
-            return boxed_nop(graph, inputs)
+            return debugging.boxed_nop(graph, inputs)
 
-        # aot_eager's own settings, with te's partitioner and the async TP pass where asked for
-        step = pipelined if async_tp else boxed_nop
+        step = pipelined if async_tp else debugging.boxed_nop
+        if offload is None:   # torch's own aot_eager, looked up when called (tests spy on it there)
+            return debugging.aot_eager(gm, example_inputs, fw_compiler=step, bw_compiler=step)
+        # aot_eager's settings with te's partitioner, which aot_eager does not take
         return aot_autograd(fw_compiler=step, bw_compiler=step, keep_inference_input_mutations=True,
-                            partition_fn=offload or min_cut_rematerialization_partition)(gm, example_inputs)
+                            partition_fn=offload)(gm, example_inputs)
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
     from torch._inductor import list_mode_options
