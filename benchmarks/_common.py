@@ -191,6 +191,17 @@ def fresh_copy(model: torch.nn.Module) -> torch.nn.Module:
     return copy.deepcopy(model)
 
 
+def train_step(fn: Callable, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor) -> Callable[[], None]:
+    """One training step of a GPT-style ``fn(x, y) -> (logits, loss)``: forward, backward, the
+    optimizer's step, gradients set to None."""
+    def step() -> None:
+        _, loss = fn(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return step
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -52,14 +52,7 @@ def _builder(b: int, t: int, c: int, layers: int, device: torch.device, dtype: t
     def build(prepare):
         model = _common.fresh_copy(base)
         fn = prepare(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-
-        def step():
-            _, loss = fn(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-        return step
+        return _common.train_step(fn, torch.optim.AdamW(model.parameters(), lr=1e-4), x, y)
     return build
 
 

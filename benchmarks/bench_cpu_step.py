@@ -3,7 +3,7 @@
     python benchmarks/bench_cpu_step.py                 # the demo's GPT, batch 8x64, 3 rounds
     python benchmarks/bench_cpu_step.py --rounds 5 --steps 60
 
-te's per-tensor FP8 GEMMs on CPU are either the torch-op emulation (lowerings/gemm.py: the default
+te's per-tensor FP8 GEMMs on CPU are either the torch-op emulation (gemm/per_tensor.py: the default
 where it gives torch._scaled_mm's bits) or torch._scaled_mm itself. Each round measures the three
 providers one after the other on the same model and batch (forward, backward, AdamW step; compile
 and warm-up excluded), so that a slow moment of a shared machine hits all three; the table gives the
@@ -19,8 +19,9 @@ import time
 import torch
 from tabulate import tabulate
 
+import _common    # benchmarks/: the training step the scripts share
 import te_compile
-from te_compile.lowerings import gemm
+from te_compile.gemm import per_tensor as gemm
 from te_compile.models import GPT
 
 _EMULATES = gemm.cpu_emulates_scaled_mm
@@ -40,13 +41,7 @@ def _step_ms(backend: str, emulates, args, x, y) -> float:
         torch.manual_seed(0)
         model = GPT(vocab_size=256, n_layer=args.layers, n_head=4, n_embd=args.width, block_size=x.shape[1])
         compiled = torch.compile(model, backend=backend)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-        def step():
-            _, loss = compiled(x, y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+        step = _common.train_step(compiled, torch.optim.AdamW(model.parameters(), lr=1e-3), x, y)
 
         for _ in range(args.warmup):
             step()

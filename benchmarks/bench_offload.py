@@ -19,6 +19,7 @@ import time
 import torch
 from tabulate import tabulate
 
+import _common    # benchmarks/: the training step the scripts share
 import te_compile
 from te_compile.fx.offload import moved_bytes
 from te_compile.memory import saved_for_backward_bytes
@@ -33,13 +34,7 @@ def _measure(offload: bool, args, x, y) -> dict:
                 block_size=x.shape[1]).to(x.device)
     options = {"memory": {"offload_activations": offload}, "compiler": args.compiler}
     compiled = torch.compile(model, backend="te", options=options)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-
-    def step():
-        _, loss = compiled(x, y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+    step = _common.train_step(compiled, torch.optim.AdamW(model.parameters(), lr=1e-3), x, y)
 
     for _ in range(args.warmup):
         step()
