@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from .linear import LinearSpec
 from .linear_paths.async_tp import async_tp_column
 
@@ -28,9 +29,7 @@ class AsyncTpColumnGroupLowering:
 
     def __init__(self, specs: tuple[LinearSpec, ...]) -> None:
         self.specs = specs
-        self.__name__ = f"te_async_tp_column_group_{specs[0].recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_async_tp_column_group_{specs[0].recipe.name}", __name__)
 
     def __call__(self, x: torch.Tensor, *operands: Optional[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         n = len(self.specs)

@@ -43,6 +43,7 @@ from typing import Optional
 import torch
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from ..kernels.fp8_attention import (
     E4M3,
     dequantize_heads,
@@ -280,9 +281,7 @@ class AttentionLowering:
 
     def __init__(self, spec: AttentionSpec) -> None:
         self.spec = spec
-        self.__name__ = f"te_fp8_attention_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_fp8_attention_{spec.recipe.name}", __name__)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  mask: Optional[torch.Tensor], *rest: Optional[torch.Tensor]) -> torch.Tensor:

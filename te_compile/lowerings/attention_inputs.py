@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..fx.cache_names import name_lowering
 from ..kernels.fp8_attention import E4M3
 from ..scaling import cast_to_fp8
 
@@ -56,9 +57,7 @@ class ColumnQuantizeLowering:
 
     def __init__(self, spec: ColumnQuantizeSpec) -> None:
         self.spec = spec
-        self.__name__ = "te_column_quantize"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, "te_column_quantize", __name__)
 
     def __call__(self, y: torch.Tensor, q_scale: torch.Tensor, k_scale: torch.Tensor,
                  v_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

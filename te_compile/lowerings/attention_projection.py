@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import column_major
 from ..quantization import quantize_per_tensor
 from ..scaling import tensor_amax
@@ -117,9 +118,7 @@ class AttentionProjectionLowering:
         self.spec = spec
         self._attention, self._linear = attention, linear
         self._n = n_attention
-        self.__name__ = f"te_fp8_attention_projection_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_fp8_attention_projection_{spec.recipe.name}", __name__)
 
     def __call__(self, q, k, v, mask, *rest):
         rest, fp8_inputs = split_fp8_inputs(self.spec.attention, rest)

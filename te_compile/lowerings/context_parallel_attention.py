@@ -36,6 +36,7 @@ import torch
 from ..autocast import autocast_dtype
 from ..context_parallel import load_balanced_positions
 from ..distributed import AmaxGroup, all_reduce
+from ..fx.cache_names import name_lowering
 from ..kernels.fp8_attention import (E4M3, dequantize_heads, fp8_attention_backward, fp8_attention_forward,
                                      quantize_heads)
 from ..scaling import cast_to_fp8, compute_scale
@@ -153,9 +154,7 @@ class ContextParallelLowering:
 
     def __init__(self, spec: ContextParallelSpec) -> None:
         self.spec = spec
-        self.__name__ = "te_fp8_attention_context_parallel"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, "te_fp8_attention_context_parallel", __name__)
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *delayed) -> torch.Tensor:
         spec = self.spec

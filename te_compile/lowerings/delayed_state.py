@@ -35,6 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from ..distributed import AmaxGroup, reduce_amaxes
+from ..fx.cache_names import name_lowering
 from ..recipe import DelayedScaling
 from ..kernels.delayed_update import delayed_scaling_update_op
 from ..scaling import fp8_max, update_role_state
@@ -170,9 +171,7 @@ class DelayedScalingUpdate:
 
     def __init__(self, spec: UpdateSpec) -> None:
         self.spec = spec
-        self.__name__ = "te_delayed_scaling_update"  # FX codegen names the call after it
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, "te_delayed_scaling_update", __name__)  # FX codegen names the call after it
 
     def __call__(self, anchor: torch.Tensor, *state: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """state: every state's tensors, then one amax sink per deferred state (``amax_sink``)."""

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 
 import torch
 
+from ..fx.cache_names import name_lowering
 from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
 from ..quantization import (quantize_copies, quantize_per_expert, quantize_rows_per_group, quantize_tokens_per_group,
                             quantizer_factory)
@@ -231,9 +232,7 @@ class GroupedLinearLowering:
         if problem is not None:
             raise ValueError(f"grouped GEMMs cannot run under {spec.recipe.name}: {problem}")
         self.spec = spec   # all the lowering holds: fx/cache_names.py names it after a digest of it
-        self.__name__ = f"te_grouped_linear_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_grouped_linear_{spec.recipe.name}", __name__)
 
     def __call__(self, x: torch.Tensor, w_ekn: torch.Tensor, offs: torch.Tensor,
                  *delayed: Optional[torch.Tensor]) -> torch.Tensor:

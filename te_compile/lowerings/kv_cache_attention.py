@@ -18,6 +18,7 @@ from typing import Optional
 import torch
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from ..kernels.kv_cache_attention import kv_cache_attention
 
 __all__ = ["KvCacheAttentionSpec", "KvCacheAttentionLowering"]
@@ -54,9 +55,7 @@ class KvCacheAttentionLowering:
 
     def __init__(self, spec: KvCacheAttentionSpec) -> None:
         self.spec = spec
-        self.__name__ = "te_kv_cache_attention"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, "te_kv_cache_attention", __name__)
 
     def __call__(self, q, k_data, k_scale_inv, v_data, v_scale_inv, mask=None) -> torch.Tensor:
         dtype = autocast_dtype(q)

@@ -17,6 +17,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..distributed import NO_GROUPS, AmaxGroup
+from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import fp8_gemm_kind
 from ..quantization import quantizer_factory
 from ..recipe import Recipe
@@ -82,9 +83,7 @@ class LinearLowering:
             quantizer_factory(spec.recipe)   # a recipe with neither path fails here, naming itself
         self.spec = spec   # all the lowering holds: fx/cache_names.py names it after a digest of it
         # FX codegen names the call after these.
-        self.__name__ = f"te_linear_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_linear_{spec.recipe.name}", __name__)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
                  *delayed: Optional[torch.Tensor]) -> torch.Tensor:

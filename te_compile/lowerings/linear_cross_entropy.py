@@ -66,6 +66,7 @@ import torch.nn.functional as F
 
 from ..autocast import autocast_dtype
 from ..distributed import is_dtensor, reduce_amaxes
+from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import column_major, fp8_gemm, operand_a
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
@@ -398,9 +399,7 @@ class LinearCrossEntropyLowering:
         # backward hands dz back in the layer's dtype, as autograd does); a fused norm runs unfused
         upcast = spec.steps + (("cast", torch.float32),)
         self._autocast = (replace(spec, steps=upcast), replace(spec, steps=upcast, norm=None))
-        self.__name__ = f"te_linear_cross_entropy_{spec.recipe.name if spec.recipe else 'hp'}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_linear_cross_entropy_{spec.recipe.name if spec.recipe else 'hp'}", __name__)
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], labels: torch.Tensor,
                  norm_w: Optional[torch.Tensor] = None, norm_b: Optional[torch.Tensor] = None,

@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 import torch
 
 from ..autocast import autocast_dtype
+from ..fx.cache_names import name_lowering
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import current_scale
@@ -135,9 +136,7 @@ class NormLinearsLowering:
     def __init__(self, spec: NormLinearsSpec, linears: Sequence) -> None:
         self.spec = spec
         self._linears = tuple(linears)   # the consumers' LinearLowering, for the unfused autocast path
-        self.__name__ = f"te_norm_linears_{spec.norm.kind}_{spec.recipe.name}"
-        self.__qualname__ = self.__name__
-        self.__module__ = __name__
+        name_lowering(self, f"te_norm_linears_{spec.norm.kind}_{spec.recipe.name}", __name__)
 
     def __call__(self, x: torch.Tensor, norm_w: Optional[torch.Tensor], norm_b: Optional[torch.Tensor],
                  shapes: Sequence[torch.Tensor], consumers: Sequence[Sequence]) -> tuple:
