@@ -68,11 +68,17 @@ def _describe(value: torch.Tensor) -> str:
     return f"{dtype}{list(value.shape)} {_nbytes(value):,} B"
 
 
-def _kept_reason(node: fx.Node) -> str:
-    """Why torch's ``can_offload`` left a marked saved tensor on the device."""
+def _view_test() -> Callable[[fx.Node], bool]:
+    """The partitioner's own test for a view op (its op lists are built on each call: take it once per
+    partition, not per node)."""
     from torch._functorch.partitioners import get_default_op_list
 
-    if get_default_op_list().is_view(node):
+    return get_default_op_list().is_view
+
+
+def _kept_reason(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> str:
+    """Why torch's ``can_offload`` left a marked saved tensor on the device."""
+    if is_view(node):
         return "a view"
     if node.target is operator.getitem:
         return "a getitem"
@@ -146,6 +152,7 @@ class OffloadPartitioner(CustomPartitionerFn):
     def _rows(self, fw: fx.GraphModule, num_fwd_outputs: int) -> list[SiteRecord]:
         """One row per module with offload on that saves something for the backward."""
         sites: dict[str, _Site] = {}
+        is_view = _view_test()
         outputs = fw.graph.find_nodes(op="output")[0].args[0][num_fwd_outputs:]
         for saved in outputs:
             if not isinstance(saved, fx.Node) or not isinstance(saved.meta.get("val"), torch.Tensor):
@@ -161,7 +168,7 @@ class OffloadPartitioner(CustomPartitionerFn):
                 site.moved.append(_describe(value))
                 site.nbytes += _nbytes(value)
             elif source.op == "call_function":
-                site.kept.append(f"{_describe(value)} ({_kept_reason(source)})")
+                site.kept.append(f"{_describe(value)} ({_kept_reason(source, is_view)})")
         rows = []
         for fqn, site in sites.items():
             reason = (f"offloaded {len(site.moved)} saved tensors, {site.nbytes:,} B: {', '.join(site.moved)}"
@@ -191,12 +198,9 @@ def moved_bytes(records: Sequence[SiteRecord]) -> int:
     return total
 
 
-def _view_chain(node: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
+def _view_chain(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> Optional[tuple[fx.Node, list[fx.Node]]]:
     """(base, views from the base up to ``node``) when ``node`` is a chain of views, each taking only
     constants besides its input, over a contiguous computed tensor; else None."""
-    from torch._functorch.partitioners import get_default_op_list
-
-    is_view = get_default_op_list().is_view
     chain = []
     while node.op == "call_function" and is_view(node):
         others = [a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, fx.Node)]
@@ -220,11 +224,15 @@ def _save_bases(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) ->
     outputs = list(output.args[0])
     saved = set(outputs)
     placeholders = {n.name: n for n in bw.graph.find_nodes(op="placeholder")}
+    # the backward's order, read once: the nodes added below are placeholders and view copies put
+    # before an existing node, so the order among existing nodes stays as read
+    order = {n: i for i, n in enumerate(bw.graph.nodes)}
+    is_view = _view_test()
     for i in range(num_fwd_outputs, len(outputs)):
         view = outputs[i]
         if not isinstance(view, fx.Node) or not view.meta.get("should_offload"):
             continue
-        found = _view_chain(view)
+        found = _view_chain(view, is_view)
         old = placeholders.get(view.name)
         if found is None or found[0] in saved or old is None:
             continue
@@ -239,7 +247,7 @@ def _save_bases(fw: fx.GraphModule, bw: fx.GraphModule, num_fwd_outputs: int) ->
             new = bw.graph.placeholder(base.name)
         new.meta.update(base.meta)
         if old.users:
-            first = min(old.users, key=lambda n: list(bw.graph.nodes).index(n))
+            first = min(old.users, key=order.__getitem__)
             value = new
             with bw.graph.inserting_before(first):
                 for node in chain:
