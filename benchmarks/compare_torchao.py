@@ -8,7 +8,7 @@ MxKxN``). torchao's operands are the ``Float8TrainingTensor``s its ``Float8Linea
 forward and backward (``Float8LinearConfig(emulate=True)``: the operands are the same as on CUDA),
 recorded where it calls ``hp_tensor_to_float8_dynamic``: input and weight in the forward, then
 grad_output (twice: for dgrad and for wgrad), weight and input again in the backward. te's are
-``te_compile.quantization.quantize_per_tensor(t, role, Float8CurrentScaling())`` of the same
+``te_compile.scaling.quantize_per_tensor(t, role, Float8CurrentScaling())`` of the same
 high-precision tensor, what te's lowering traces (HYBRID: E4M3 input and weight, E5M2 grad_output).
 torchao casts ``weight.t()``; a per-tensor cast is elementwise, so te's weight bytes are compared
 transposed the same way. Per operand: the FP8 dtype, the data bytes, the scale (te's ``current_scale``
@@ -36,8 +36,8 @@ from tabulate import tabulate
 
 import _common
 from te_compile.numerics import sqnr_db   # 20 log10(|ref| / |ref - x|), inf when equal
-from te_compile.quantization import current_scale, quantize_per_tensor
 from te_compile.recipe import Float8CurrentScaling
+from te_compile.scaling import current_scale, quantize_per_tensor
 
 
 def _torchao_operands(linear: torch.nn.Linear, x: torch.Tensor, dy: torch.Tensor):

@@ -60,8 +60,8 @@ import torch.utils._pytree as pytree
 
 from .config import TeConfig, config_argument
 from .distributed import is_dtensor, local_value, mesh_dims_group, reduce_amaxes
-from .quantization import current_scale, quantize_per_tensor, weight_ineligibility, weight_quantizer
-from .scaling import cast_to_fp8, tensor_amax
+from .quantization import weight_ineligibility, weight_quantizer
+from .scaling import cast_to_fp8, current_scale, quantize_per_tensor, tensor_amax
 from .tensor.block_fsdp import FsdpBlockMeta, fsdp_block_post_all_gather
 from .tensor.cache_identity import subclass_cache_hash
 from .tensor.float8_tensor import Float8Quantizer, Float8Tensor, fsdp_float8_post_all_gather, fsdp_padded_shard

@@ -43,9 +43,9 @@ import torch.nn as nn
 
 from .config import resolve_config
 from .state import load_recipe_state_dict, recipe_state_dict
-from .quantization import quantize_per_expert, weight_ineligibility, weight_quantizer
+from .quantization import weight_ineligibility, weight_quantizer
 from .recipe import RECIPES, Recipe
-from .scaling import tensor_amax
+from .scaling import quantize_per_expert, tensor_amax
 from .tensor.block_scaled_tensor import BlockScaledTensor
 from .tensor.float8_tensor import Float8Quantizer
 from .tensor.grouped_float8_tensor import GroupedFloat8Tensor

@@ -1,17 +1,20 @@
-"""From a recipe to what it quantizes each tensor to (the role of TransformerEngine's RecipeState).
+"""From a recipe to the quantizer objects of its tensors (the role of TransformerEngine's RecipeState).
 
-The one place that turns a recipe into quantization, below both the lowerings (compiled graphs) and
-the eager features (FSDP2's FP8 all-gather, FP8 primary weights), so that a weight quantized before
-any graph exists has the bytes the graph would make:
+The place that turns a recipe into quantizers and judges weights against it, below both the
+lowerings (compiled graphs) and the eager features (FSDP2's FP8 all-gather, FP8 primary weights),
+so that a weight quantized before any graph exists has the bytes the graph would make:
 
 - ``quantizer_factory(recipe)(role)``: a fresh quantizer object for a tensor of ``role``
   (te_compile.recipe.ROLES) under a block-scaled recipe or a CustomRecipe, and ``quantize_copies``
   to quantize with it;
+- ``quantize_tokens_per_group``: an MoE layer's tokens quantized with such a quantizer, each
+  expert's rows as if alone;
 - ``weight_quantizer(recipe)``: the quantizer of a linear's weight operand under any recipe;
-- ``quantize_per_tensor`` / ``current_scale``: the per-tensor FP8 quantize (current and delayed
-  scaling) as plain tensor ops, which the per-tensor lowerings trace and inductor fuses;
 - ``weight_ineligibility`` / ``weight_is_operand``: whether a weight can be, or already is, the
   recipe's GEMM operand.
+
+The per-tensor FP8 quantize (current and delayed scaling) is plain tensor ops with no quantizer
+object, so it lives beside its arithmetic in te_compile.scaling (``quantize_per_tensor``).
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import torch
 
 from .kernels.nvfp4_quantize import NVFP4_BLOCK
 from .recipe import GRADIENT_ROLES, ROLES, DelayedScaling, Float8CurrentScaling, Recipe
-from .scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
 from .state import state_for
 from .tensor.float8_blockwise_tensor import Float8BlockQuantizer
 from .tensor.float8_tensor import Float8CurrentScalingQuantizer, Float8Quantizer, Float8Tensor
@@ -35,11 +37,7 @@ __all__ = [
     "quantizer_factory",
     "quantize_copies",
     "weight_quantizer",
-    "quantize_per_tensor",
-    "current_scale",
-    "quantize_rows_per_group",
     "quantize_tokens_per_group",
-    "quantize_per_expert",
     "weight_ineligibility",
     "weight_is_operand",
     "FLOAT_DTYPES",
@@ -74,7 +72,7 @@ def _block_quantizer(recipe: Recipe, role: str) -> Quantizer:
 def quantizer_factory(recipe: Recipe) -> Callable[[str], Quantizer]:
     """``role -> Quantizer`` for a block-scaled recipe, or a CustomRecipe's own ``qfactory``.
 
-    The per-tensor recipes have none: their lowerings quantize with ``quantize_per_tensor``.
+    The per-tensor recipes have none: their lowerings quantize with ``scaling.quantize_per_tensor``.
     """
     if recipe.custom():
         return recipe.qfactory
@@ -140,50 +138,7 @@ def weight_quantizer(recipe: Recipe, weight: Optional[torch.Tensor] = None,
     return quantizer
 
 
-# ---- per-tensor FP8 (current and delayed scaling) --------------------------------------------------
-
-
-def current_scale(amax: torch.Tensor, role: str, recipe: Recipe) -> torch.Tensor:
-    """Current scaling's scale [1] for ``role`` from ``amax`` [1], with the recipe's options."""
-    return compute_scale(amax, recipe.fp8_format.dtype_for(role), force_pow_2_scales=recipe.use_power_2_scales,
-                         amax_epsilon=recipe.amax_epsilon)
-
-
-def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None,
-                        amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(fp8 data of ``t``'s shape, scale_inv [1], amax [1]) of ``t`` as a tensor of ``role``.
-
-    scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
-    scale [1] from steps <= t-1, read only (the graph's update node folds in step t). amax: ``t``'s
-    amax when the caller has it (all-reduced across ranks, or of the whole weight), else computed here.
-    """
-    fp8_dtype = recipe.fp8_format.dtype_for(role)
-    amax = tensor_amax(t) if amax is None else amax
-    if scale is None:
-        scale = current_scale(amax, role, recipe)
-    data = cast_to_fp8(t, scale, fp8_dtype)
-    scale_inv = torch.div(torch.ones_like(scale), scale)
-    return data, scale_inv, amax
-
-
-def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: int, role: str, recipe: Recipe,
-                            scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None
-                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8 of each group of rows, a group being one expert's tokens: (fp8 data [R, C],
-    scale_inv [num_groups], amax [num_groups]).
-
-    t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group take no part in
-    the amaxes, are cast with the last group's scale and are read by no GEMM). scale: None for current
-    scaling, else delayed scaling's [num_groups]; amax: the groups' amaxes [num_groups] when the caller
-    has them, else computed here.
-    """
-    amax = group_amax(t, groups, num_groups) if amax is None else amax
-    if scale is None:
-        scale = current_scale(amax, role, recipe)
-    # the same clamped index as the GEMMs' per-row scales (gemm/grouped.py), so the graph keeps one
-    row_scale = scale[groups.clamp(max=num_groups - 1)]
-    data = cast_to_fp8(t, row_scale[:, None], recipe.fp8_format.dtype_for(role))
-    return data, torch.div(torch.ones_like(scale), scale), amax
+# ---- MoE tokens grouped by expert (quantizer objects) ---------------------------------------------
 
 
 class _PerGroupNVFP4Quantizer(NVFP4Quantizer):
@@ -228,17 +183,6 @@ def quantize_tokens_per_group(factory: Callable[[str], Quantizer], role: str, t:
         quantizer = _PerGroupNVFP4Quantizer(quantizer, groups, num_groups)
     quantizer.internal = True
     return quantizer.quantize(t)
-
-
-def quantize_per_expert(w: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-tensor FP8 of each expert's matrix of ``w`` [E, R, C]: (fp8 data [E, R, C], scale_inv [E],
-    amax [E]). scale: None for current scaling, else delayed scaling's [E]."""
-    amax = w.detach().abs().amax(dim=(1, 2)).to(torch.float32)
-    if scale is None:
-        scale = current_scale(amax, role, recipe)
-    data = cast_to_fp8(w, scale[:, None, None], recipe.fp8_format.dtype_for(role))
-    return data, torch.div(torch.ones_like(scale), scale), amax
 
 
 # ---- weights ---------------------------------------------------------------------------------------

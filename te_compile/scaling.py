@@ -1,9 +1,18 @@
-"""Per-tensor FP8 scaling rules in plain torch (DESIGN.md §5).
+"""Per-tensor FP8 scaling rules in plain torch (DESIGN.md §5), and the per-tensor quantize of a
+tensor of a role under a recipe (current and delayed scaling) built from them.
 
 These functions are the single source of the per-tensor numerics: the eager quantizers, the
 compiled lowerings and the delayed-scaling state all call them, so eager and compiled results agree
 bit for bit. They are written with traceable torch ops only (no ``.item()``, no Python branches on
 values) so that inductor can fuse them into neighbouring kernels and no host sync happens.
+
+- ``tensor_amax`` / ``group_amax``, ``compute_scale``, ``cast_to_fp8``: the arithmetic;
+- ``update_amax_history``, ``delayed_scale_from_history``, ``update_role_state``: delayed scaling's
+  step;
+- ``current_scale``, ``quantize_per_tensor``, ``quantize_rows_per_group``, ``quantize_per_expert``:
+  one tensor (or each expert's part of it) quantized as a tensor of a role under a recipe, which the
+  per-tensor lowerings trace and the eager features (FSDP2's FP8 all-gather, FP8 primary weights,
+  the weight cache) call, so both make the same bytes.
 """
 
 from __future__ import annotations
@@ -13,6 +22,8 @@ from typing import Callable, Optional, Union
 
 import torch
 from torch.fx.experimental.symbolic_shapes import guard_or_false, statically_known_true
+
+from .recipe import Recipe
 
 __all__ = [
     "FLT_MAX",
@@ -25,6 +36,10 @@ __all__ = [
     "update_amax_history",
     "delayed_scale_from_history",
     "update_role_state",
+    "current_scale",
+    "quantize_per_tensor",
+    "quantize_rows_per_group",
+    "quantize_per_expert",
 ]
 
 FLT_MAX = torch.finfo(torch.float32).max
@@ -194,3 +209,60 @@ def update_role_state(history: torch.Tensor, scale: torch.Tensor, amax: torch.Te
     new_scale = torch.where(finite, new_scale, scale)
     history.copy_(new_history)
     scale.copy_(new_scale)
+
+
+# ---- per-tensor FP8 (current and delayed scaling) --------------------------------------------------
+
+
+def current_scale(amax: torch.Tensor, role: str, recipe: Recipe) -> torch.Tensor:
+    """Current scaling's scale [1] for ``role`` from ``amax`` [1], with the recipe's options."""
+    return compute_scale(amax, recipe.fp8_format.dtype_for(role), force_pow_2_scales=recipe.use_power_2_scales,
+                         amax_epsilon=recipe.amax_epsilon)
+
+
+def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None,
+                        amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fp8 data of ``t``'s shape, scale_inv [1], amax [1]) of ``t`` as a tensor of ``role``.
+
+    scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
+    scale [1] from steps <= t-1, read only (the graph's update node folds in step t). amax: ``t``'s
+    amax when the caller has it (all-reduced across ranks, or of the whole weight), else computed here.
+    """
+    fp8_dtype = recipe.fp8_format.dtype_for(role)
+    amax = tensor_amax(t) if amax is None else amax
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    data = cast_to_fp8(t, scale, fp8_dtype)
+    scale_inv = torch.div(torch.ones_like(scale), scale)
+    return data, scale_inv, amax
+
+
+def quantize_rows_per_group(t: torch.Tensor, groups: torch.Tensor, num_groups: int, role: str, recipe: Recipe,
+                            scale: Optional[torch.Tensor] = None, amax: Optional[torch.Tensor] = None
+                            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 of each group of rows, a group being one expert's tokens: (fp8 data [R, C],
+    scale_inv [num_groups], amax [num_groups]).
+
+    t: [R, C]; groups: int64 [R] (te_compile.gemm.grouped.group_index; rows of no group take no part in
+    the amaxes, are cast with the last group's scale and are read by no GEMM). scale: None for current
+    scaling, else delayed scaling's [num_groups]; amax: the groups' amaxes [num_groups] when the caller
+    has them, else computed here.
+    """
+    amax = group_amax(t, groups, num_groups) if amax is None else amax
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    # the same clamped index as the GEMMs' per-row scales (gemm/grouped.py), so the graph keeps one
+    row_scale = scale[groups.clamp(max=num_groups - 1)]
+    data = cast_to_fp8(t, row_scale[:, None], recipe.fp8_format.dtype_for(role))
+    return data, torch.div(torch.ones_like(scale), scale), amax
+
+
+def quantize_per_expert(w: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per-tensor FP8 of each expert's matrix of ``w`` [E, R, C]: (fp8 data [E, R, C], scale_inv [E],
+    amax [E]). scale: None for current scaling, else delayed scaling's [E]."""
+    amax = w.detach().abs().amax(dim=(1, 2)).to(torch.float32)
+    if scale is None:
+        scale = current_scale(amax, role, recipe)
+    data = cast_to_fp8(w, scale[:, None, None], recipe.fp8_format.dtype_for(role))
+    return data, torch.div(torch.ones_like(scale), scale), amax

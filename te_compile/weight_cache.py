@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-from .quantization import quantize_per_tensor
 from .recipe import Recipe
+from .scaling import quantize_per_tensor
 from .state import read_state
 from .tensor.float8_tensor import Float8Tensor
 

@@ -459,7 +459,7 @@ def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
     from te_compile.distributed import NO_GROUPS
     from te_compile.gemm.per_tensor import fp8_gemm
     from te_compile.lowerings.linear_paths.per_tensor import Fp8LinearFunction
-    from te_compile.quantization import quantize_per_tensor
+    from te_compile.scaling import quantize_per_tensor
     from te_compile.tensor import Float8CurrentScalingQuantizer
 
     recipe = Float8CurrentScaling()

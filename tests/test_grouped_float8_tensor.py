@@ -7,8 +7,8 @@ import io
 import pytest
 import torch
 
-from te_compile.quantization import quantize_per_expert
 from te_compile.recipe import Float8CurrentScaling
+from te_compile.scaling import quantize_per_expert
 from te_compile.tensor import Float8Tensor
 from te_compile.tensor.grouped_float8_tensor import GroupedFloat8Tensor, GroupedFsdpMeta, fsdp_grouped_post_all_gather
 from utils import assert_bitwise_equal, seed

@@ -13,10 +13,11 @@ from te_compile.gemm import grouped
 from te_compile.gemm.grouped import (group_index, grouped_mm_f32, grouped_mm_f32_reference, pad_groups,
                                      scaled_grouped_mm)
 from te_compile.lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
-from te_compile.quantization import quantize_copies, quantize_per_tensor, quantizer_factory
+from te_compile.quantization import quantize_copies, quantizer_factory
 from te_compile.lowerings.linear import LinearLowering, LinearSpec
 from te_compile.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
                                NVFP4BlockScaling)
+from te_compile.scaling import quantize_per_tensor
 from utils import assert_bitwise_equal, assert_sqnr_at_least, seed, sqnr
 
 E, K, N = 4, 32, 48

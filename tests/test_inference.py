@@ -159,8 +159,8 @@ def test_rowwise_linear_scales_each_token_on_its_own():
     """One scale per row of x (current scaling's rule per row), the weight per tensor: the bits of a
     by-hand quantization, and rows of very different magnitudes each keep their precision."""
     from te_compile.lowerings.linear_paths.rowwise import rowwise_fp8_linear
-    from te_compile.quantization import current_scale
     from te_compile.recipe import Float8CurrentScaling
+    from te_compile.scaling import current_scale
 
     torch.manual_seed(0)
     x = torch.randn(6, 64) * torch.logspace(-3, 2, 6)[:, None]

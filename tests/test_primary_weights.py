@@ -719,7 +719,7 @@ def _train_hf_twins(ref, fp8, recipe: str, vocab: int, tokens: int) -> dict:
 
 
 def test_expert_weights_get_one_scale_per_expert_and_their_master_cast_equals_quantizing_them():
-    from te_compile.quantization import quantize_per_expert
+    from te_compile.scaling import quantize_per_expert
     from te_compile.tensor.grouped_float8_tensor import GroupedFloat8Tensor
 
     recipe = Float8CurrentScaling(use_power_2_scales=True)

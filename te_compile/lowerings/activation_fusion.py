@@ -37,9 +37,9 @@ from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
-from ..quantization import current_scale, quantize_per_tensor, quantize_rows_per_group
 from ..recipe import Recipe
-from ..scaling import cast_to_fp8, compute_scale, group_amax, tensor_amax
+from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, quantize_per_tensor,
+                       quantize_rows_per_group, tensor_amax)
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering
 from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop

@@ -23,8 +23,7 @@ import torch
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import column_major
-from ..quantization import quantize_per_tensor
-from ..scaling import tensor_amax
+from ..scaling import quantize_per_tensor, tensor_amax
 from .attention import (
     AttentionLowering,
     AttentionSpec,

@@ -31,9 +31,9 @@ import torch
 
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
-from ..quantization import (quantize_copies, quantize_per_expert, quantize_rows_per_group, quantize_tokens_per_group,
-                            quantizer_factory)
+from ..quantization import quantize_copies, quantize_tokens_per_group, quantizer_factory
 from ..recipe import Recipe
+from ..scaling import quantize_per_expert, quantize_rows_per_group
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 

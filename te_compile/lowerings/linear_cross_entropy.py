@@ -70,9 +70,9 @@ from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import column_major, fp8_gemm, operand_a
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
-from ..quantization import current_scale, quantize_per_tensor, weight_is_operand
+from ..quantization import weight_is_operand
 from ..recipe import Recipe
-from ..scaling import cast_to_fp8, fp8_max, tensor_amax
+from ..scaling import cast_to_fp8, current_scale, fp8_max, quantize_per_tensor, tensor_amax
 from .linear_paths.per_tensor import quantize_weight
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 

@@ -29,8 +29,8 @@ from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
-from ..quantization import current_scale
 from ..recipe import Recipe
+from ..scaling import current_scale
 from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]

@@ -38,8 +38,8 @@ import torch
 
 from ...distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
 from ...gemm.per_tensor import column_major, scaled_mm
-from ...quantization import quantize_per_tensor, weight_is_operand
-from ...scaling import tensor_amax
+from ...quantization import weight_is_operand
+from ...scaling import quantize_per_tensor, tensor_amax
 from .per_tensor import quantize_weight
 
 __all__ = ["AsyncTp", "async_tp_column", "async_tp_row", "all_gather_seq", "reduce_scatter_seq"]

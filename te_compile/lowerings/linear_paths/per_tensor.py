@@ -2,7 +2,7 @@
 
 aot_autograd traces its forward and backward and inductor fuses the amax / scale / cast ops into
 neighbouring kernels; the GEMMs are torch._scaled_mm (te_compile.gemm.per_tensor.fp8_gemm). The
-quantize itself is te_compile.quantization's, shared with the eager features; this module adds the
+quantize itself is te_compile.scaling's, shared with the eager features; this module adds the
 GEMMs around it (``fp8_fprop``, ``fp8_dgrad_wgrad``), which the fused lowerings (norm, activation,
 attention projection) call with an FP8 input they made themselves.
 
@@ -24,8 +24,8 @@ import torch
 
 from ...distributed import reduce_amaxes
 from ...gemm.per_tensor import column_major, fp8_gemm, operand_a, operand_b
-from ...quantization import quantize_per_tensor, weight_is_operand
-from ...scaling import tensor_amax
+from ...quantization import weight_is_operand
+from ...scaling import quantize_per_tensor, tensor_amax
 from ...tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad"]
