@@ -25,6 +25,8 @@ class SiteRecord:
     # the cross-rank amax reductions the site takes part in, e.g. "amax all-reduce over tp (2 ranks):
     # input, weight"; "" in one process
     collectives: str = ""
+    # bytes of saved tensors this site moves to host memory per step, each way (offload rows; else 0)
+    moved_bytes: int = 0
 
 
 @dataclass

@@ -13,7 +13,7 @@ import torch._dynamo.backends.debugging as debugging
 
 import te_compile
 from te_compile.config import ConfigError, config_from_dict
-from te_compile.fx.offload import OFFLOAD_PREFIX, RELOAD_PREFIX
+from te_compile.fx.offload import OFFLOAD_PREFIX, RELOAD_PREFIX, moved_bytes
 
 from models import TinyGPT
 
@@ -107,6 +107,8 @@ def test_offload_is_bit_identical_and_pairs_counted(monkeypatch):
     rows = [s for s in te_compile.report().sites if s.op == "offload"]
     moved = sum(int(s.shapes.split()[0]) for s in rows)
     assert moved == len(offloads) == len(reloads)
+    # the rows' byte counts are the transfers' bytes (what bench_offload sums through moved_bytes)
+    assert moved_bytes(rows) == sum(n.meta["val"].numel() * n.meta["val"].element_size() for n in offloads) > 0
     # FP8 bytes move as bytes: the saved FP8 operands of the linears are among the transfers
     fp8 = [n for n in offloads if n.meta["val"].dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
     assert len(fp8) >= 4, [n.meta["val"].dtype for n in offloads]

@@ -179,7 +179,7 @@ class OffloadPartitioner(CustomPartitionerFn):
             rows.append(SiteRecord(fqn=fqn, op="offload", recipe=type(recipe).__name__ if recipe else None,
                                    rewritten=bool(site.moved), reason=reason,
                                    shapes=f"{len(site.moved)} moved, {len(site.kept)} kept",
-                                   graph=self.graph_id))
+                                   graph=self.graph_id, moved_bytes=site.nbytes))
         return rows
 
 
@@ -190,12 +190,7 @@ def _is_wait(node: fx.Node) -> bool:
 
 def moved_bytes(records: Sequence[SiteRecord]) -> int:
     """Bytes the offload rows among ``records`` say move to host memory per step (each way)."""
-    total = 0
-    for record in records:
-        if record.op == "offload" and record.rewritten:
-            # "offloaded N saved tensors, X B: ..." (OffloadPartitioner._rows)
-            total += int(record.reason.split(", ", 1)[1].split(" B", 1)[0].replace(",", ""))
-    return total
+    return sum(record.moved_bytes for record in records if record.op == "offload")
 
 
 def _view_chain(node: fx.Node, is_view: Callable[[fx.Node], bool]) -> Optional[tuple[fx.Node, list[fx.Node]]]:
