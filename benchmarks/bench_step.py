@@ -22,6 +22,10 @@ Providers (``--providers``, default all): ``bf16``, ``te Float8CurrentScaling``,
 (``convert_to_float8_training`` of every linear, the output layer included, then the same compile;
 ``emulate=True`` off CUDA). A torchao provider is skipped, with its reason in the log and a row with
 no median, when torchao does not import (``pip install -e '.[bench]'``).
+By name only (the lease kit's offload part): ``te Float8CurrentScaling offload`` (te's
+``[memory] offload_activations``) and ``bf16 offload`` (torch's own activation offload flags in
+``torch._functorch.config``, nothing of te's), each with one more row, ``offloaded_bytes``: the saved
+tensors that live in host memory during a step on a GPU (te's report on a CPU; bf16's not counted there).
 
 Each provider runs in its own process (a child of this script), one after the other, so compiled
 code, Dynamo's caches and the CUDA allocator start clean; ratios against bf16 are taken between the
@@ -96,6 +100,10 @@ __all__ = [
 
 PROVIDERS = ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao float8 tensorwise",
              "torchao float8 rowwise")
+# by name only (the lease kit's offload part): the same steps with the saved activations offloaded to host
+# memory, te's through [memory] offload_activations, bf16's through torch's partitioner flags alone
+OFFLOAD = " offload"
+OFFLOAD_PROVIDERS = ("bf16" + OFFLOAD, "te Float8CurrentScaling" + OFFLOAD)
 _PART = "step"
 _LAUNCHED = "BENCH_STEP_LAUNCHED"   # the parent's time.time() when it started a child, for the child's startup_s
 _GiB = 2.0 ** 30
@@ -298,15 +306,56 @@ def _shape(cfg: LlamaConfig, args: argparse.Namespace, what: str) -> str:
     return f"{cfg.name} {args.layers}L {args.batch}x{args.tokens} {what}"
 
 
-def _backend(provider: str, compiler: str):
+def _backend(provider: str, compiler: str, device: torch.device):
     """The torch.compile backend for ``provider`` (applied after torchao's module swap), whose graphs
     go to ``compiler``: inductor, or aot_eager (te's passes and report, no code generated)."""
+    offload = provider.endswith(OFFLOAD)
+    provider = provider.removesuffix(OFFLOAD)
     if provider == "bf16" or provider.startswith("torchao"):
+        if offload:
+            _torch_offload_on(device)
+            # torch's offload is part of the min-cut partitioner, which plain aot_eager does not run
+            return "aot_eager_decomp_partition" if compiler == "aot_eager" else compiler
         return compiler
     import te_compile
 
     recipe = provider.split(" ", 1)[1]
-    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe])
+    memory = {"memory": {"offload_activations": True}} if offload else {}
+    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe], **memory)
+
+
+def _torch_offload_on(device: torch.device) -> None:
+    """Turn on torch's activation offload for every compile of this process (the flags te's offload
+    partition runs under), or say which flag this torch lacks."""
+    import torch._functorch.config as functorch_config
+    from te_compile.fx.offload import offload_flags
+
+    flags = offload_flags(device)
+    missing = [name for name in flags if not hasattr(functorch_config, name)]
+    if missing:
+        raise RuntimeError(f"torch {torch.__version__} has no activation offload flag(s) {missing} in "
+                           f"torch._functorch.config")
+    for name, value in flags.items():
+        setattr(functorch_config, name, value)
+
+
+def _host_saved_bytes(forward_backward: Callable[[], torch.Tensor], device: torch.device) -> Optional[int]:
+    """Bytes of the distinct storages one forward saves for its backward in host memory while the model
+    runs on ``device``: what an offload moved off the GPU. None on a CPU, where host and device are one."""
+    if device.type == "cpu":
+        return None
+    from te_compile.memory import storages
+
+    host: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.device.type == "cpu":
+            host.update(storages(t))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward_backward()
+    return sum(host.values())
 
 
 def _compile(model: Llama, backend, mode: str) -> Callable:
@@ -385,7 +434,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     if provider.startswith("te"):
         import te_compile
         te_compile.reset()
-    compiled = _compile(model, _backend(provider, args.compiler), args.compile)
+    compiled = _compile(model, _backend(provider, args.compiler, device), args.compile)
     # after the swap: torchao's Float8Linear keeps the same Parameter objects
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
@@ -424,6 +473,8 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
         # lease_report.py's note column
         common["note"] = (f"linears {common['linears_rewritten']}/{common['linears_total']} rewritten, head + loss "
                           f"{'fused' if common['head_loss_fused'] else 'NOT fused'}; SDPA {sdpa}")
+    if provider.endswith(OFFLOAD):
+        _offload_row(args, provider, fwd_bwd_step, device, cfg, common)
     flops = step_flops(cfg, args.layers, args.batch, args.tokens)
     n_tokens = args.batch * args.tokens
 
@@ -463,6 +514,24 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
         print(f"bench_step: {provider}: WARNING: {recompiled} graphs compiled after the first step",
               flush=True)
     return 0
+
+
+def _offload_row(args, provider: str, forward_backward, device: torch.device, cfg, common: dict) -> None:
+    """One row: the bytes a step's offload moves to host memory (each way). Counted from the saved
+    tensors that live on the host on a GPU; on a CPU from te's report (its offload rows), and not at
+    all for bf16 there."""
+    nbytes, how = _host_saved_bytes(forward_backward, device), "saved tensors in host memory (saved_tensors_hooks)"
+    if nbytes is None and provider.startswith("te"):
+        import te_compile
+        from te_compile.fx.offload import moved_bytes
+
+        nbytes, how = moved_bytes(te_compile.report().sites), "te's report (its offload rows)"
+    if nbytes is None:
+        how = "not counted on a CPU (host and device memory are one)"
+    _record.write_row(args.jsonl, part=_PART, provider=provider, shape=_shape(cfg, args, "fwd+bwd"),
+                      metric="offloaded_bytes", median=nbytes, measured_by=how, **common)
+    print(f"bench_step: {provider}: offloaded per step: "
+          f"{'n/a' if nbytes is None else f'{nbytes:,} B'} ({how})", flush=True)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -569,7 +638,8 @@ def _run_parent(args: argparse.Namespace) -> int:
 def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), metavar="NAME",
-                        help=f"from {', '.join(repr(p) for p in PROVIDERS)} (default: all)")
+                        help=f"from {', '.join(repr(p) for p in PROVIDERS)} (default: all), or by name "
+                             f"{', '.join(repr(p) for p in OFFLOAD_PROVIDERS)}")
     parser.add_argument("--jsonl", default="bench_step_results.jsonl", help="result rows are appended here")
     parser.add_argument("--kernels-csv", default="bench_step_kernels.csv", help="profiled kernels, appended")
     parser.add_argument("--trace-dir", default="bench_step_traces", help="one Chrome trace per provider")
@@ -601,9 +671,10 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.warmup < 0 or args.profile_steps < 0:
         parser.error(f"--warmup and --profile-steps must be >= 0, got {args.warmup} and {args.profile_steps}")
-    unknown = [p for p in args.providers + ([args.child] if args.child else []) if p not in PROVIDERS]
+    valid = PROVIDERS + OFFLOAD_PROVIDERS
+    unknown = [p for p in args.providers + ([args.child] if args.child else []) if p not in valid]
     if unknown:
-        parser.error(f"unknown provider(s) {unknown}; valid: {list(PROVIDERS)}")
+        parser.error(f"unknown provider(s) {unknown}; valid: {list(valid)}")
     return args
 
 

@@ -31,6 +31,11 @@
 #                       processes, the SDPA backend that ran logged
 #          kernels 45   bench_quantize.py: the quantize and RMSNorm + quantize kernels in GB/s against
 #                       copy, and the FP8 GEMM epilogue experiment (39 s measured)
+#          offload 120  bench_step.py's step with the saved activations offloaded to host memory: te
+#                       Float8CurrentScaling ([memory] offload_activations) and bf16 (torch's partitioner
+#                       flags), peak memory, step time and bytes moved against the step part's rows
+#                       (two processes of ~50 s; a torch without the offload machinery fails them at
+#                       compile time with the missing flag in the log)
 #          smoke 110    a Hugging Face Llama trains 50 steps under bf16 and te (two compiles): final loss
 #                       within 1% (44 s was not enough)
 #          tests 150    the CUDA tests (pytest -n 8, --junitxml), stopped by SIGINT so the summary is written
@@ -81,11 +86,11 @@ for arg in "$@"; do
     case "$arg" in
         --dry) DRY=1 ;;
         call1) parts+=(setup ceilings step moe) ;;
-        call2) parts+=(setup attention kernels smoke tests ncu) ;;
-        all) parts+=(setup ceilings step moe attention kernels smoke tests ncu block) ;;
-        setup|ceilings|step|moe|block|attention|kernels|smoke|ncu|tests) parts+=("$arg") ;;
-        *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels smoke tests" \
-                "ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
+        call2) parts+=(setup attention kernels offload smoke tests ncu) ;;
+        all) parts+=(setup ceilings step moe attention kernels offload smoke tests ncu block) ;;
+        setup|ceilings|step|moe|block|attention|kernels|offload|smoke|ncu|tests) parts+=("$arg") ;;
+        *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels offload smoke" \
+                "tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(setup ceilings step moe)
@@ -119,7 +124,7 @@ budget() {
     case "$1" in
         setup) if [ -f "$SETUP_DONE" ]; then echo 10; else echo 35; fi ;;
         ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;;
-        attention) echo 160 ;; kernels) echo 45 ;; smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
+        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
     esac
 }
 
@@ -157,6 +162,12 @@ part_cmd() {
             "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --jsonl "$WORK/results.jsonl" \
                 --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" --code-dir "$WORK/code/step" \
                 "${dry_flag[@]}" ;;
+        offload)
+            # the step's shape with the saved activations offloaded (te's and torch's own for bf16); the
+            # step part's bf16 and te rows are the offload-off side
+            "$PY" benchmarks/bench_step.py --providers "te Float8CurrentScaling offload" "bf16 offload" \
+                --jsonl "$WORK/results.jsonl" --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" \
+                --code-dir "$WORK/code/offload" --profile-steps 0 "${dry_flag[@]}" ;;
         smoke) "$PY" benchmarks/lease_parts.py smoke "${dry_flag[@]}" ;;
         ncu) "$PY" benchmarks/lease_parts.py ncu --budget "$2" "${dry_flag[@]}" ;;
         tests)

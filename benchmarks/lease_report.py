@@ -214,7 +214,8 @@ def results_tables(rows: list[dict], parts: Optional[tuple[str, ...]] = None, co
     out = []
     for part, prows in by_part.items():
         bases = {}
-        for r in prows:
+        # plain bf16 first, so that a variant ("bf16 offload") is itself measured against it
+        for r in sorted(prows, key=lambda r: r.get("provider") != BASELINE_PREFIX):
             if str(r.get("provider", "")).startswith(BASELINE_PREFIX) and r.get("median"):
                 bases.setdefault((r.get("shape"), r.get("metric")), r)
         table = []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -109,3 +110,34 @@ def test_plan_fits_an_h100(monkeypatch):
     assert plan["AdamW exp_avg, exp_avg_sq"] == 2 * plan["fp32 weights"], plan
     assert plan["total (upper bound)"] == sum(v for k, v in plan.items() if k != "total (upper bound)")
     assert plan["total (upper bound)"] < 0.7 * 80e9, plan
+
+
+def test_offload_providers_count_what_moves(tmp_path):
+    """The kit's offload part: te's provider offloads through [memory] offload_activations and its row
+    counts the bytes its report says moved; bf16's goes through torch's own flags, uncounted on a CPU."""
+    env = {k: v for k, v in os.environ.items() if k != "TE_COMPILE_CONFIG"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    providers = ("te Float8CurrentScaling offload", "bf16 offload")
+    cmd = [sys.executable, str(SCRIPT), "--dry", "--providers", *providers, "--profile-steps", "0",
+           "--jsonl", str(tmp_path / "results.jsonl"), "--kernels-csv", str(tmp_path / "kernels.csv"),
+           "--trace-dir", str(tmp_path / "traces"), "--code-dir", str(tmp_path / "code")]
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines() if line.strip()]
+    moved = {r["provider"]: r for r in rows if r["metric"] == "offloaded_bytes"}
+    assert set(moved) == set(providers), sorted(moved)
+    te_row = moved["te Float8CurrentScaling offload"]
+    # the report's offload rows, as printed in the child's report table ("offloaded N saved tensors, X B")
+    printed = [int(n.replace(",", "")) for n in re.findall(r"offloaded \d+ saved tensors, ([\d,]+) B", proc.stdout)]
+    assert te_row["median"] == sum(printed) > 0, (te_row, printed)
+    assert moved["bf16 offload"]["median"] is None and "not counted" in moved["bf16 offload"]["measured_by"]
+    # both train: the step's timing rows are there too
+    assert {(r["provider"], r["metric"]) for r in rows} >= {(p, m) for p in providers for m in METRICS}
+    with pytest.raises(SystemExit):
+        sys.path.insert(0, str(SCRIPT.parent))
+        try:
+            import bench_step
+            bench_step._parse(["--dry", "--providers", "torchao float8 tensorwise offload"])
+        finally:
+            sys.path.remove(str(SCRIPT.parent))
