@@ -66,6 +66,38 @@ def test_output_and_grad_dtypes_equal_eager_under_autocast_and_low_precision_par
     assert 12.0 < db < 40.0, f"FP8 output {db:.1f} dB from eager: expected FP8 noise"
 
 
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_fp32_weight_gradient_leaves_its_fp8_gemm_unrounded_under_autocast(recipe):
+    """Under autocast over fp32 weights, a per-tensor site's weight gradient is its wgrad GEMM's fp32
+    output: dw = (gq.T * g_sinv) @ (xq * x_sinv) on the E5M2 gradient and E4M3 input of the site,
+    bit for bit, not that product rounded to bf16 and cast up (on a GPU that cast is a pass over the
+    whole gradient, 6 bytes an element). dgrad likewise runs its fp32 product, rounded once to bf16:
+    the backward, traced under the caller's autocast, must not run the emulated GEMM in bf16."""
+    from te_compile.recipe import Float8CurrentScaling
+    from te_compile.scaling import quantize_per_tensor
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(0)
+    layer = nn.Linear(K, N, bias=False)
+    x = torch.randn(16, K, requires_grad=True)
+    g = torch.randn(16, N)
+    compiled = torch.compile(layer, backend="te", options={"recipe": recipe, "compiler": "aot_eager"})
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = compiled(x)
+    y.backward(g.bfloat16())
+    dw, dx = layer.weight.grad, x.grad
+    assert dw.dtype == torch.float32
+    assert not torch.equal(dw, dw.bfloat16().float()), "the weight gradient was rounded to bf16"
+    if recipe == "Float8CurrentScaling":   # the first DelayedScaling step's scales are 1, as here too
+        r = Float8CurrentScaling()
+        xq, x_sinv, _ = quantize_per_tensor(x.bfloat16(), "input", r)
+        gq, g_sinv, _ = quantize_per_tensor(g.bfloat16(), "grad_output", r)
+        wq, w_sinv, _ = quantize_per_tensor(layer.weight.detach().bfloat16(), "weight", r)
+        assert_bitwise_equal(dw, (gq.float() * g_sinv).t() @ (xq.float() * x_sinv))
+        assert_bitwise_equal(dx, ((gq.float() * g_sinv) @ (wq.float() * w_sinv)).bfloat16().float())
+
+
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling", "MXFP8BlockScaling",
                                     "Float8BlockScaling", "NVFP4BlockScaling"])
 @pytest.mark.parametrize("shape", [(K,), (1, K), (0, K), (2, 3, 5, K)], ids=["1d", "1token", "0tokens", "4d"])

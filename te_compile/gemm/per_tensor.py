@@ -89,10 +89,13 @@ def operand_b(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
 
 def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:
     """(a * sa) @ (b * sb) in fp32, then ``out_dtype``: CPU _scaled_mm's operations (its fallback
-    without AMX makes both operands row-major first, so the fp32 matmul sees the same layouts)."""
-    a32 = _row_major(a.to(torch.float32) * sa)
-    b32 = _row_major(b.to(torch.float32) * sb)
-    return (a32 @ b32).to(out_dtype)
+    without AMX makes both operands row-major first, so the fp32 matmul sees the same layouts). Autocast
+    is off around it: a backward that AOTAutograd traces under the caller's autocast would otherwise
+    run the matmul on bf16 copies of the fp32 operands, which torch._scaled_mm never does."""
+    with torch.autocast(a.device.type, enabled=False):
+        a32 = _row_major(a.to(torch.float32) * sa)
+        b32 = _row_major(b.to(torch.float32) * sb)
+        return (a32 @ b32).to(out_dtype)
 
 
 @torch._dynamo.disable

@@ -100,6 +100,11 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
+        w_dtype = w_nk.dtype
+        if w_dtype != x2d.dtype and not weight_is_operand(w_nk, recipe):
+            # autocast's cast of the weight (LinearLowering leaves it to us): the backward then
+            # returns dw from its wgrad GEMM in the weight's own dtype, no cast kernel after it
+            w_nk = w_nk.to(x2d.dtype)
         x_amax = tensor_amax(x2d)
         w_amax = None if weight_is_operand(w_nk, recipe) else tensor_amax(w_nk)
         if x_scale is None and (groups[0] or groups[1]):
@@ -112,7 +117,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype)
         ctx.recipe = recipe
         ctx.g_groups = groups[2]
-        ctx.dtypes = (x2d.dtype, w_nk.dtype)
+        ctx.dtypes = (x2d.dtype, w_dtype)
         ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]),
                               *((g_scale,) if g_scale is not None else ()))
