@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -111,6 +112,28 @@ def test_no_fp8_operand_is_written_once_per_reader(offline_step):
     assert not repeated, f"kernels storing one value into several buffers: {repeated}"
     assert rows["layer fwd"]["gemms"] == 7 and rows["layer bwd"]["gemms"] == 14, rows
 
+
+
+def test_gradients_leave_their_gemms_and_the_loss_writes_no_one_hot(offline_step):
+    """Under autocast over fp32 weights, each weight's gradient leaves its wgrad GEMM in fp32: no
+    kernel after it reads a bf16 gradient to write an fp32 one (at 8192 tokens 1.3 GB a layer), and
+    the output layer's fp32 gradient is not copied again (4.2 GB at Llama 3's head). The fused loss
+    takes its one-hot term and its label logit inside the kernels it runs anyway: no [rows, V] zeros
+    buffer, scatter or gather per chunk, and one dgrad and one wgrad GEMM over every row."""
+    import csv
+
+    launches = list(csv.DictReader(open(offline_step["out"] / "launches.csv")))
+    names = {}
+    for row in launches:
+        names.setdefault(row["graph"], []).append(row["name"])
+    # (the forward's two are RoPE's cos and sin tables cast to bf16, as in every provider's graph)
+    casts = {graph: [n for n in names[graph] if re.fullmatch(r"triton_poi_fused__to_copy(_t)?_\d+", n)]
+             for graph in ("layer bwd", "head bwd")}
+    assert not any(casts.values()), f"kernels that only cast a tensor: {casts}"
+    per_chunk = [n for n in names["head fwd"] if "scatter" in n or "gather" in n or "zeros_like" in n]
+    assert not per_chunk, per_chunk
+    rows = {r["graph"]: r for r in offline_step["rows"]}
+    assert rows["head bwd"]["gemms"] == 2 and rows["head fwd"]["gemms"] == 16, rows
 
 _KERNEL = '''
     tmp3 = tmp2.to(tl.float8e4nv)

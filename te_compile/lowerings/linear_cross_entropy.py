@@ -15,9 +15,8 @@ dloss_u = 1 / n_valid under ``mean`` and 1 under ``sum``, quantized to the grad_
 into one [tokens, V] buffer (one byte a logit under FP8, the layer's dtype without) that the forward
 saves, with the layer's (FP8) input and weight: never a chunk's logits. The backward recomputes
 nothing: the loss's gradient g (a scalar: the loss is one) scales the GEMMs, folded into the FP8
-GEMMs' scale_inv (no pass over the [tokens, V] buffer): per chunk dx_c = dz_u[c] @ w * g, reading its
-rows of the buffer, then one weight-gradient GEMM dw = dz_u.T @ x * g over every row, and db = g *
-the column sums. Without a backward the forward computes no dz.
+GEMMs' scale_inv (no pass over the [tokens, V] buffer): one input-gradient GEMM dx = dz_u @ w * g and
+one weight-gradient GEMM dw = dz_u.T @ x * g, each over every row, and db = g * the column sums. Without a backward the forward computes no dz.
 
 Numerics, against the unfused path of the same precision:
 - The forward GEMM reads the unfused path's operands: under FP8 the input's and weight's scales come
@@ -73,6 +72,7 @@ from ..norm_spec import NormSpec
 from ..quantization import weight_is_operand
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, current_scale, fp8_max, quantize_per_tensor, tensor_amax
+from ..tensor.quantized_tensor import QuantizedTensor
 from .linear_paths.per_tensor import quantize_weight
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
@@ -164,13 +164,21 @@ def _local_labels(labels: torch.Tensor, valid: torch.Tensor, v_local: int, shard
     return torch.where(hit, local, 0), hit
 
 
+def _is_label(z: torch.Tensor, column: torch.Tensor) -> torch.Tensor:
+    """bool [c, V]: where each row's label column is, for logits z [c, V] and columns [c]."""
+    return torch.arange(z.shape[-1], device=z.device) == column[:, None]
+
+
 def _row_stats(zl: torch.Tensor, labels: torch.Tensor, spec: LinearCrossEntropySpec, shard: Optional[VocabShard]):
     """One chunk's per-row values over the logits it holds, fp32 [c] each: (logsumexp, the target logit
     (0 where the label is elsewhere or ignored), the logits' sum or None without label smoothing)."""
     zf = zl.float()
     lse = torch.logsumexp(zf, dim=-1)
     column, hit = _local_labels(labels, labels != spec.ignore_index, zf.shape[-1], shard)
-    target = torch.where(hit, zf.gather(1, column[:, None]).squeeze(1), 0.0)
+    # the label's logit as a row sum of one value and zeros (exactly that value): a reduction over the
+    # row like the logsumexp, which inductor computes in the same kernel; a gather would be a kernel
+    # of its own per chunk
+    target = torch.where(hit, torch.where(_is_label(zf, column), zf, 0.0).sum(dim=-1), 0.0)
     return lse, target, (zf.sum(dim=-1) if spec.label_smoothing else None)
 
 
@@ -191,8 +199,9 @@ def _logit_grad(zl: torch.Tensor, lse: torch.Tensor, labels: torch.Tensor, valid
     dz = torch.exp(zf - lse[:, None])
     eps = spec.label_smoothing
     column, hit = _local_labels(labels, valid, zf.shape[-1], shard)
-    onehot = torch.zeros_like(dz).scatter_(1, column[:, None], torch.where(hit, 1.0 - eps, 0.0)[:, None])
-    dz = dz - onehot
+    # the one-hot term as a comparison inside the same elementwise pass: a scattered zeros buffer
+    # would be a [c, V] fp32 write and a scatter kernel per chunk (4.2 GB at Llama 3's head)
+    dz = dz - torch.where(_is_label(zf, column), torch.where(hit, 1.0 - eps, 0.0)[:, None], 0.0)
     if eps:
         dz = dz - eps / (shard.vocab if shard is not None else zf.shape[-1])
     return dz * torch.where(valid, dloss, 0.0)[:, None]
@@ -221,6 +230,10 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the layer's input dtype: the norm's output dtype when a norm is fused in front
         ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
                       None if bias is None else bias.dtype)
+        if recipe is not None and spec.norm is None and w_nk.dtype != x2d.dtype and not weight_is_operand(w_nk, recipe):
+            # autocast's cast of the weight (the lowering leaves it to us): the weight's gradient then
+            # leaves its fp32 GEMM as the weight's own dtype, with no pass over [V, K] after it
+            w_nk = w_nk.to(x2d.dtype)
         x_sinv = w_sinv = x_amax = w_amax = mean = rstd = None
         operands = (x2d, w_nk)
         if spec.norm is not None:   # the norm kernels write the layer's FP8 input
@@ -258,7 +271,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                     # every |dz| <= dloss (module docstring): one scale for all chunks, known before any
                     g_scale = fp8_max(recipe.fp8_format.dtype_for("grad_output")) / dloss.reshape(1)
                 g_sinv = torch.div(torch.ones_like(g_scale), g_scale)
-        logits, stats, gs, db, g_amax = [], [], [], None, None
+        logits, stats, gs, db, g_amax, row_amaxes = [], [], [], None, None, []
         for xc, lc in zip(operands[0].tensor_split(chunks), labels.tensor_split(chunks)):
             z = _logits(xc, operands[1], x_sinv, w_sinv, bias, ctx.dtypes[0],
                         fast_accum=recipe is not None and recipe.fast_accumulation("fprop"))
@@ -278,11 +291,15 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
                 part = dz.float().sum(0)
                 db = part if db is None else db + part
             if recipe is not None:
-                if carrier is not None:   # DelayedScaling records the amax of what it quantizes
-                    amax = tensor_amax(dz)
-                    g_amax = amax if g_amax is None else torch.maximum(g_amax, amax)
+                if carrier is not None:
+                    # DelayedScaling records the amax of what it quantizes: per row here, inside the
+                    # chunk's kernel, reduced once after the last chunk (a whole-chunk amax would end
+                    # in a one-element kernel per chunk)
+                    row_amaxes.append(dz.detach().abs().amax(dim=-1).to(torch.float32))
                 dz = cast_to_fp8(dz, g_scale, recipe.fp8_format.dtype_for("grad_output")).contiguous()
             gs.append(dz)
+        if row_amaxes:   # with a 0, as tensor_amax does for a row count that may be 0 at run time
+            g_amax = torch.cat([*row_amaxes, row_amaxes[0].new_zeros(1)]).amax().reshape(1)
         lse, target = torch.cat([s[0] for s in stats]), torch.cat([s[1] for s in stats])
         zsum = torch.cat([s[2] for s in stats]) if spec.label_smoothing else None
         if shard is not None and grads is None:   # this rank's vocab slice -> the whole rows, [M]-sized all-reduces
@@ -294,7 +311,7 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         loss = rows.sum() / n_valid if spec.reduction == "mean" else rows.sum()
         if grads is not None:
             # every chunk's gradient in one [M, V] buffer (one byte a logit under FP8), each written once:
-            # the backward's dgrad GEMMs read its row slices and the weight gradient all of it.
+            # the backward's dgrad and wgrad GEMMs each read all of it.
             # Autocast, when the op runs under it, has no rule for concatenating FP8 tensors.
             with torch.autocast(x2d.device.type, enabled=False):
                 g_all = torch.cat(gs)
@@ -323,12 +340,13 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         g_sinv = saved["g_sinv"] * grad if recipe is not None else None
         dx = dw = db = None
         if need_dx:
-            # the weight's column-major FP8 copy for every chunk's dgrad, made once: inductor keeps one
-            # copy per call site ([V, K] FP8, 0.5 GB at Llama 3's head, written again for each chunk).
-            # Each chunk's dgrad reads its rows of the one [M, V] gradient.
+            # One GEMM over every row of the [M, V] gradient, as the unfused path computes it: the
+            # gradient exists whole by now, and per-chunk products would each be copied into the
+            # [M, K] result afterwards (16 GEMMs and 16 copies at Llama 3's head, 8192 tokens).
+            # The weight's column-major copy has its layout forced, so it is made here in the backward
+            # (the partitioner would otherwise save a transposed FP8 copy from the forward).
             wq_cm = column_major(w, shared=True) if recipe is not None else None
-            dx = torch.cat([_dgrad(g, w, wq_cm, g_sinv, saved.get("w_sinv"), dx_dtype)
-                            for g in g_all.tensor_split(ctx.chunks)])
+            dx = _dgrad(g_all, w, wq_cm, g_sinv, saved.get("w_sinv"), dx_dtype)
             dx = (dx if recipe is not None else dx * grad).to(dx_dtype)
         if need_dw:
             # One GEMM over every row, as the unfused path computes it. Per-chunk partial products added
@@ -354,8 +372,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def _dgrad(g, w, wq_cm, g_sinv, w_sinv, out_dtype) -> torch.Tensor:
-    """One chunk's input gradient g [c, V] @ w [V, K]: high precision (g_sinv None) or the FP8 GEMM
-    with the weight's column-major FP8 copy ``wq_cm``."""
+    """The input gradient g [M, V] @ w [V, K]: high precision (g_sinv None) or the FP8 GEMM with the
+    weight's column-major FP8 copy ``wq_cm``."""
     if g_sinv is None:
         return g @ w
     return fp8_gemm(g, wq_cm, g_sinv, w_sinv, out_dtype=out_dtype)
@@ -411,7 +429,9 @@ class LinearCrossEntropyLowering:
         if self.spec.norm is not None:
             x = norm_forward_reference(x.reshape(-1, x.shape[-1]), norm_w, norm_b, spec.norm)[0].reshape(x.shape)
             spec, norm_w, norm_b = self._autocast[1], None, None
-        x, weight = x.to(dtype), weight.to(dtype)
+        x = x.to(dtype)
+        if spec.recipe is None or is_dtensor(weight) or isinstance(weight, QuantizedTensor):
+            weight = weight.to(dtype)   # else the FP8 function casts it itself (its forward says why)
         bias = bias.to(dtype) if bias is not None else None
         x_full = x_full.to(dtype) if x_full is not None else None
         with torch.autocast(x.device.type, enabled=False):
