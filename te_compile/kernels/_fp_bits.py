@@ -95,6 +95,32 @@ if HAS_TRITON:
         """fp32 value of the saturating RNE e5m2 cast of ``v`` (NaN stays NaN; ±inf saturate)."""
         return _round_value(v, 2, -14, 57344.0)
 
+    # fp32 -> FP8 for a kernel's own FP8 operands (attention's P, dS). On a GPU one conversion
+    # instruction: Triton lowers ``.to`` to ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32`` on sm89+ (Triton 3.6
+    # and 3.9 alike), the saturating round-to-nearest-even that round_to_e4m3 / round_to_e5m2 compute in
+    # about fifteen instructions an element. In the interpreter the arithmetic rounding first, since its
+    # own conversion is neither saturating nor correctly rounded (module docstring).
+    if triton.knobs.runtime.interpret:
+        @triton.jit
+        def to_e4m3(v):
+            """``v`` (fp32) as float8_e4m3fn, rounded as the reference's cast rounds."""
+            return round_to_e4m3(v).to(tl.float8e4nv)
+
+        @triton.jit
+        def to_e5m2(v):
+            """``v`` (fp32) as float8_e5m2, rounded as the reference's cast rounds."""
+            return round_to_e5m2(v).to(tl.float8e5)
+    else:
+        @triton.jit
+        def to_e4m3(v):
+            """``v`` (fp32) as float8_e4m3fn, rounded as the reference's cast rounds."""
+            return v.to(tl.float8e4nv)
+
+        @triton.jit
+        def to_e5m2(v):
+            """``v`` (fp32) as float8_e5m2, rounded as the reference's cast rounds."""
+            return v.to(tl.float8e5)
+
     # Triton decides at decoration time, from this knob (TRITON_INTERPRET), whether kernels run in its
     # interpreter; mul_rn picks its body from the same knob at the same moment.
     if triton.knobs.runtime.interpret:
