@@ -18,7 +18,9 @@
 #                       $WORK/setup.done, so a later setup on the same machine skips pip (22 s measured)
 #          ceilings 25  copy bandwidth (do_bench and CUDA-graph replay), bf16 / FP8 GEMM at 8192^3,
 #                       torch._scaled_mm with and without fast accumulation at the step's GEMM shapes,
-#                       torch._grouped_mm against torch._scaled_grouped_mm at the MoE shapes (15 s)
+#                       and with an fp32 output at its wgrad shapes (te's under autocast over fp32
+#                       weights), torch._grouped_mm against torch._scaled_grouped_mm at the MoE shapes
+#                       (15 s measured before the fp32-output cases, about 2 s more)
 #          step 210     bench_step.py: the Llama 3 8B-shaped 4-layer step, 1 x 8192 tokens: bf16, te
 #                       Float8CurrentScaling, te DelayedScaling, torchao float8 tensorwise, each in its own
 #                       process (36, 50, 53, 50 s measured, ~190 s with the parent)

@@ -246,6 +246,11 @@ def part_ceilings(args, paths) -> int:
             _ceiling(args, paths, "te torch._scaled_mm" + (" fast_accum" if fast else ""), shape,
                      lambda fast=fast: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.bfloat16,
                                                         use_fast_accum=fast), flops=flops)
+        if name.endswith("wgrad"):
+            # under autocast over fp32 weights te's wgrad GEMM writes the fp32 gradient itself (twice the
+            # output bytes of a bf16 one, no cast kernel after it): what that costs the GEMM
+            _ceiling(args, paths, "te torch._scaled_mm fp32 out", shape,
+                     lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=torch.float32), flops=flops)
         del a, b, a8, b8
 
     div = 1 if cuda else DRY_DIVISOR
