@@ -26,6 +26,9 @@ By name only (the lease kit's offload part): ``te Float8CurrentScaling offload``
 ``[memory] offload_activations``) and ``bf16 offload`` (torch's own activation offload flags in
 ``torch._functorch.config``, nothing of te's), each with one more row, ``offloaded_bytes``: the saved
 tensors that live in host memory during a step on a GPU (te's report on a CPU; bf16's not counted there).
+By name only (the lease kit's combo part): ``te Float8CurrentScaling combo`` and ``te DelayedScaling
+combo``, te with its ``combo_kernels`` key (inductor's combo kernels: independent small kernels
+launched as one).
 
 Each provider runs in its own process (a child of this script), one after the other, so compiled
 code, Dynamo's caches and the CUDA allocator start clean; ratios against bf16 are taken between the
@@ -104,6 +107,9 @@ PROVIDERS = ("bf16", "te Float8CurrentScaling", "te DelayedScaling", "torchao fl
 # memory, te's through [memory] offload_activations, bf16's through torch's partitioner flags alone
 OFFLOAD = " offload"
 OFFLOAD_PROVIDERS = ("bf16" + OFFLOAD, "te Float8CurrentScaling" + OFFLOAD)
+# by name only (the lease kit's combo part): te with inductor's combo kernels (the combo_kernels key)
+COMBO = " combo"
+COMBO_PROVIDERS = ("te Float8CurrentScaling" + COMBO, "te DelayedScaling" + COMBO)
 _PART = "step"
 _LAUNCHED = "BENCH_STEP_LAUNCHED"   # the parent's time.time() when it started a child, for the child's startup_s
 _GiB = 2.0 ** 30
@@ -310,7 +316,8 @@ def _backend(provider: str, compiler: str, device: torch.device):
     """The torch.compile backend for ``provider`` (applied after torchao's module swap), whose graphs
     go to ``compiler``: inductor, or aot_eager (te's passes and report, no code generated)."""
     offload = provider.endswith(OFFLOAD)
-    provider = provider.removesuffix(OFFLOAD)
+    combo = provider.endswith(COMBO)
+    provider = provider.removesuffix(OFFLOAD).removesuffix(COMBO)
     if provider == "bf16" or provider.startswith("torchao"):
         if offload:
             _torch_offload_on(device)
@@ -321,7 +328,8 @@ def _backend(provider: str, compiler: str, device: torch.device):
 
     recipe = provider.split(" ", 1)[1]
     memory = {"memory": {"offload_activations": True}} if offload else {}
-    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe], **memory)
+    combo_kernels = {"combo_kernels": True} if combo else {}
+    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe], **memory, **combo_kernels)
 
 
 def _torch_offload_on(device: torch.device) -> None:
@@ -639,7 +647,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), metavar="NAME",
                         help=f"from {', '.join(repr(p) for p in PROVIDERS)} (default: all), or by name "
-                             f"{', '.join(repr(p) for p in OFFLOAD_PROVIDERS)}")
+                             f"{', '.join(repr(p) for p in OFFLOAD_PROVIDERS + COMBO_PROVIDERS)}")
     parser.add_argument("--jsonl", default="bench_step_results.jsonl", help="result rows are appended here")
     parser.add_argument("--kernels-csv", default="bench_step_kernels.csv", help="profiled kernels, appended")
     parser.add_argument("--trace-dir", default="bench_step_traces", help="one Chrome trace per provider")
@@ -671,7 +679,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.warmup < 0 or args.profile_steps < 0:
         parser.error(f"--warmup and --profile-steps must be >= 0, got {args.warmup} and {args.profile_steps}")
-    valid = PROVIDERS + OFFLOAD_PROVIDERS
+    valid = PROVIDERS + OFFLOAD_PROVIDERS + COMBO_PROVIDERS
     unknown = [p for p in args.providers + ([args.child] if args.child else []) if p not in valid]
     if unknown:
         parser.error(f"unknown provider(s) {unknown}; valid: {list(valid)}")

@@ -38,6 +38,9 @@
 #                       flags), peak memory, step time and bytes moved against the step part's rows
 #                       (two processes of ~50 s; a torch without the offload machinery fails them at
 #                       compile time with the missing flag in the log)
+#          combo 110    bench_step.py's step with te's combo_kernels key (inductor's combo kernels), current
+#                       and delayed scaling, against the step part's te rows: offline it cuts the step's
+#                       launches from 410 to 279 and from 471 to 303 at the same bytes (two processes)
 #          smoke 110    a Hugging Face Llama trains 50 steps under bf16 and te (two compiles): final loss
 #                       within 1% (44 s was not enough)
 #          tests 150    the CUDA tests (pytest -n 8, --junitxml), stopped by SIGINT so the summary is written
@@ -88,11 +91,11 @@ for arg in "$@"; do
     case "$arg" in
         --dry) DRY=1 ;;
         call1) parts+=(setup ceilings step moe) ;;
-        call2) parts+=(setup attention kernels offload smoke tests ncu) ;;
-        all) parts+=(setup ceilings step moe attention kernels offload smoke tests ncu block) ;;
-        setup|ceilings|step|moe|block|attention|kernels|offload|smoke|ncu|tests) parts+=("$arg") ;;
-        *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels offload smoke" \
-                "tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
+        call2) parts+=(setup attention kernels offload combo smoke tests ncu) ;;
+        all) parts+=(setup ceilings step moe attention kernels offload combo smoke tests ncu block) ;;
+        setup|ceilings|step|moe|block|attention|kernels|offload|combo|smoke|ncu|tests) parts+=("$arg") ;;
+        *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels offload combo" \
+                "smoke tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(setup ceilings step moe)
@@ -126,7 +129,7 @@ budget() {
     case "$1" in
         setup) if [ -f "$SETUP_DONE" ]; then echo 10; else echo 35; fi ;;
         ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;;
-        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
+        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;; smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
     esac
 }
 
@@ -170,6 +173,13 @@ part_cmd() {
             "$PY" benchmarks/bench_step.py --providers "te Float8CurrentScaling offload" "bf16 offload" \
                 --jsonl "$WORK/results.jsonl" --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" \
                 --code-dir "$WORK/code/offload" --profile-steps 0 "${dry_flag[@]}" ;;
+        combo)
+            # the step with inductor's combo kernels in te's graphs; the step part's te rows are the default
+            local providers=("te Float8CurrentScaling combo" "te DelayedScaling combo")
+            [ "$DRY" = 1 ] && providers=("te DelayedScaling combo")
+            "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --jsonl "$WORK/results.jsonl" \
+                --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" --code-dir "$WORK/code/combo" \
+                "${dry_flag[@]}" ;;
         smoke) "$PY" benchmarks/lease_parts.py smoke "${dry_flag[@]}" ;;
         ncu) "$PY" benchmarks/lease_parts.py ncu --budget "$2" "${dry_flag[@]}" ;;
         tests)

@@ -134,6 +134,10 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("bf16", lambda: "inductor"),
     Provider("te Float8CurrentScaling", _te("Float8CurrentScaling")),
     Provider("te DelayedScaling", _te("DelayedScaling")),
+    # [combo_kernels]: inductor's horizontal fusion of independent kernels (off by default in te)
+    Provider("te Float8CurrentScaling combo", _te("Float8CurrentScaling", combo_kernels=True), cases=_DENSE,
+             default=False),
+    Provider("te DelayedScaling combo", _te("DelayedScaling", combo_kernels=True), cases=_DENSE, default=False),
     # E4M3 gradients: the experts' backward GEMMs in torch._scaled_grouped_mm (E4M3 only) as well
     Provider("te Float8CurrentScaling E4M3", _te("Float8CurrentScaling", fp8_format="E4M3"), cases=("moe",)),
     Provider("torchao float8 tensorwise", lambda: "inductor", _torchao_dense("tensorwise"), _DENSE, torchao=True),

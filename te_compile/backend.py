@@ -93,6 +93,8 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     patches = list_mode_options(mode) if mode else {}
     if async_tp:
         patches["_micro_pipeline_tp"] = True
+    if config.combo_kernels:
+        patches["combo_kernels"] = True   # Triton kernels only: inductor leaves CPU nodes out of them
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}

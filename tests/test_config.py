@@ -389,8 +389,8 @@ def error_for(tmp_path, monkeypatch):
 def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
-                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'distributed', 'amax_group', 'mesh', "
-                     r"'inference', 'memory'\]", message), message
+                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'combo_kernels', 'distributed', "
+                     r"'amax_group', 'mesh', 'inference', 'memory'\]", message), message
 
 
 def test_error_unknown_recipe_name(error_for):
@@ -449,6 +449,30 @@ def test_error_native_block_gemm_type(tmp_path):
     with pytest.raises(ConfigError, match=r"bad\.toml: native_block_gemm: expected a bool \(true or false\), "
                                           r"got 'no' \(str\)"):
         load_config(path)
+
+
+def test_combo_kernels_key_reaches_inductor(tmp_path, monkeypatch):
+    """``combo_kernels = true`` is a bool read from the file (a string is an error naming the key) and
+    becomes inductor's ``combo_kernels`` patch for te's graphs (inductor itself leaves CPU nodes out of
+    combo kernels); the default adds none."""
+    import importlib
+
+    import torch
+    import torch._inductor.compile_fx as compile_fx_module
+
+    te_backend = importlib.import_module("te_compile.backend")   # the package's ``backend`` is the function
+
+    path = write(tmp_path / "bad.toml", 'combo_kernels = "yes"\n')
+    with pytest.raises(ConfigError, match=r"bad\.toml: combo_kernels: expected a bool"):
+        load_config(path)
+    seen = []
+    monkeypatch.setattr(compile_fx_module, "compile_fx", lambda gm, inputs, **kw: seen.append(kw["config_patches"]))
+    gm = torch.fx.symbolic_trace(torch.nn.Identity())
+    on = load_config(write(tmp_path / "on.toml", "combo_kernels = true\n"))
+    assert on.combo_kernels is True and load_config(write(tmp_path / "off.toml", "")).combo_kernels is False
+    for config in (on, load_config(tmp_path / "off.toml")):
+        te_backend._final_compiler(gm, [torch.empty(2)], config, None)
+    assert [p.get("combo_kernels") for p in seen] == [True, None], seen
 
 
 def test_error_wrong_float_type(tmp_path):

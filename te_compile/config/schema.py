@@ -260,6 +260,9 @@ class TeConfig:
     # Block-scaled recipes: native GEMMs where the device passes gemm/block_probe.py's self-test; False
     # keeps the exact dequantize-then-matmul emulation everywhere (A/B checks, a suspect cuBLAS)
     native_block_gemm: bool = True
+    # inductor's combo kernels for te's GPU graphs: independent small kernels (a DelayedScaling site's
+    # 1 / scale, amax finishes) launched as one; off until a lease times it against the default
+    combo_kernels: bool = False
     distributed: DistributedConfig = DistributedConfig()
     inference: InferenceConfig = InferenceConfig()
     memory: MemoryConfig = MemoryConfig()
