@@ -36,8 +36,8 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
 
 if HAS_TRITON:
-    __all__ += ["fp32_to_fp8_bits", "mul_rn", "nan_abs_max", "round_fp32_to", "round_to_e4m3", "round_to_e5m2", "fp32_to_e2m1_bits",
-                "e2m1_bits_to_fp32"]
+    __all__ += ["fp32_to_fp8_bits", "mul_rn", "nan_abs_max", "round_fp32_to", "round_to_e4m3", "round_to_e5m2",
+                "to_e4m3", "to_e5m2", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
 
     @triton.jit
     def _round_magnitude(a, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):

@@ -16,7 +16,8 @@ into one [tokens, V] buffer (one byte a logit under FP8, the layer's dtype witho
 saves, with the layer's (FP8) input and weight: never a chunk's logits. The backward recomputes
 nothing: the loss's gradient g (a scalar: the loss is one) scales the GEMMs, folded into the FP8
 GEMMs' scale_inv (no pass over the [tokens, V] buffer): one input-gradient GEMM dx = dz_u @ w * g and
-one weight-gradient GEMM dw = dz_u.T @ x * g, each over every row, and db = g * the column sums. Without a backward the forward computes no dz.
+one weight-gradient GEMM dw = dz_u.T @ x * g, each over every row, and db = g * the column sums.
+Without a backward the forward computes no dz.
 
 Numerics, against the unfused path of the same precision:
 - The forward GEMM reads the unfused path's operands: under FP8 the input's and weight's scales come
