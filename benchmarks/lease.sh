@@ -129,7 +129,8 @@ budget() {
     case "$1" in
         setup) if [ -f "$SETUP_DONE" ]; then echo 10; else echo 35; fi ;;
         ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;;
-        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;; smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
+        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;;
+        smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
     esac
 }
 

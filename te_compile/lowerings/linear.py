@@ -16,14 +16,13 @@ from typing import Optional
 import torch
 
 from ..autocast import autocast_dtype
-from ..distributed import NO_GROUPS, AmaxGroup, is_dtensor
+from ..distributed import NO_GROUPS, AmaxGroup
 from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import fp8_gemm_kind
 from ..quantization import quantizer_factory
 from ..recipe import Recipe
-from ..tensor.quantized_tensor import QuantizedTensor
 from .linear_paths.async_tp import AsyncTp, async_tp_column, async_tp_row
-from .linear_paths.per_tensor import Fp8LinearFunction
+from .linear_paths.per_tensor import Fp8LinearFunction, casts_weight_itself
 from .linear_paths.quantizer import QuantizedLinearFunction
 from .linear_paths.rowwise import rowwise_fp8_linear
 from .linear_paths.sharded import plan_linear_sharding, sharded_linear
@@ -107,8 +106,7 @@ class LinearLowering:
         (6 bytes an element: 352 MB for one 4096 x 14336 weight). The forward quantizes the same
         bf16 values either way."""
         spec = self.spec
-        return (spec.recipe.per_tensor and not spec.rowwise and spec.async_tp is None
-                and not is_dtensor(weight) and not isinstance(weight, QuantizedTensor))
+        return spec.recipe.per_tensor and not spec.rowwise and spec.async_tp is None and casts_weight_itself(weight)
 
     def _linear(self, x, weight, bias, delayed) -> torch.Tensor:
         if self.spec.weight_first and x.dim() > 1:

@@ -73,8 +73,7 @@ from ..norm_spec import NormSpec
 from ..quantization import weight_is_operand
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, current_scale, fp8_max, quantize_per_tensor, tensor_amax
-from ..tensor.quantized_tensor import QuantizedTensor
-from .linear_paths.per_tensor import quantize_weight
+from .linear_paths.per_tensor import casts_weight_itself, quantize_weight, weight_in_input_dtype
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",
@@ -231,10 +230,8 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         # the layer's input dtype: the norm's output dtype when a norm is fused in front
         ctx.dtypes = (x2d.dtype if spec.norm is None else spec.norm.out_dtype, w_nk.dtype,
                       None if bias is None else bias.dtype)
-        if recipe is not None and spec.norm is None and w_nk.dtype != x2d.dtype and not weight_is_operand(w_nk, recipe):
-            # autocast's cast of the weight (the lowering leaves it to us): the weight's gradient then
-            # leaves its fp32 GEMM as the weight's own dtype, with no pass over [V, K] after it
-            w_nk = w_nk.to(x2d.dtype)
+        if recipe is not None and spec.norm is None:   # autocast's cast of the weight, left to us
+            w_nk = weight_in_input_dtype(w_nk, x2d.dtype, recipe)
         x_sinv = w_sinv = x_amax = w_amax = mean = rstd = None
         operands = (x2d, w_nk)
         if spec.norm is not None:   # the norm kernels write the layer's FP8 input
@@ -431,7 +428,7 @@ class LinearCrossEntropyLowering:
             x = norm_forward_reference(x.reshape(-1, x.shape[-1]), norm_w, norm_b, spec.norm)[0].reshape(x.shape)
             spec, norm_w, norm_b = self._autocast[1], None, None
         x = x.to(dtype)
-        if spec.recipe is None or is_dtensor(weight) or isinstance(weight, QuantizedTensor):
+        if spec.recipe is None or not casts_weight_itself(weight):
             weight = weight.to(dtype)   # else the FP8 function casts it itself (its forward says why)
         bias = bias.to(dtype) if bias is not None else None
         x_full = x_full.to(dtype) if x_full is not None else None

@@ -22,13 +22,31 @@ from __future__ import annotations
 
 import torch
 
-from ...distributed import reduce_amaxes
+from ...distributed import is_dtensor, reduce_amaxes
 from ...gemm.per_tensor import column_major, fp8_gemm, operand_a, operand_b
 from ...quantization import weight_is_operand
 from ...scaling import quantize_per_tensor, tensor_amax
 from ...tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad"]
+__all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad", "casts_weight_itself",
+           "weight_in_input_dtype"]
+
+
+def casts_weight_itself(weight: torch.Tensor) -> bool:
+    """Whether a per-tensor Function (this one, the fused output layer's) takes ``weight`` in its own
+    dtype under autocast and casts it with ``weight_in_input_dtype``: a plain tensor. A DTensor runs
+    shard by shard and a quantized weight keeps its own path; their lowerings cast them first."""
+    return not is_dtensor(weight) and not isinstance(weight, QuantizedTensor)
+
+
+def weight_in_input_dtype(w_nk: torch.Tensor, dtype: torch.dtype, recipe) -> torch.Tensor:
+    """``w_nk`` in the input's ``dtype``: autocast's cast of the weight, made inside the Function so that
+    its backward returns dw from the wgrad GEMM in the weight's own dtype (fp32 under autocast over
+    fp32 weights), with no cast kernel after the GEMM. A weight already in the recipe's FP8 format is
+    used as it is."""
+    if w_nk.dtype == dtype or weight_is_operand(w_nk, recipe):
+        return w_nk
+    return w_nk.to(dtype)
 
 
 def quantize_weight(w_nk, recipe, scale=None, amax=None):
@@ -101,10 +119,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
         w_dtype = w_nk.dtype
-        if w_dtype != x2d.dtype and not weight_is_operand(w_nk, recipe):
-            # autocast's cast of the weight (LinearLowering leaves it to us): the backward then
-            # returns dw from its wgrad GEMM in the weight's own dtype, no cast kernel after it
-            w_nk = w_nk.to(x2d.dtype)
+        w_nk = weight_in_input_dtype(w_nk, x2d.dtype, recipe)
         x_amax = tensor_amax(x2d)
         w_amax = None if weight_is_operand(w_nk, recipe) else tensor_amax(w_nk)
         if x_scale is None and (groups[0] or groups[1]):
