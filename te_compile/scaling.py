@@ -37,6 +37,7 @@ __all__ = [
     "delayed_scale_from_history",
     "update_role_state",
     "current_scale",
+    "scale_invs",
     "quantize_per_tensor",
     "quantize_rows_per_group",
     "quantize_per_expert",
@@ -220,20 +221,37 @@ def current_scale(amax: torch.Tensor, role: str, recipe: Recipe) -> torch.Tensor
                          amax_epsilon=recipe.amax_epsilon)
 
 
+def scale_invs(*scales: Optional[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+    """1 / scale of each given scale (true division: the bits ``quantize_per_tensor`` computes), None
+    for a None, as one foreach op.
+
+    For DelayedScaling's scales, which are graph inputs: each division alone is a one-element kernel
+    (a launch per scale on a GPU, two per linear in forward); inductor makes one kernel of a foreach op.
+    Each result is a buffer of its own: ``_scaled_mm``'s lowering does not take a scale sliced out of
+    a larger buffer.
+    """
+    given = [s for s in scales if s is not None]
+    invs = iter(torch._foreach_div([torch.ones_like(s) for s in given], given) if given else [])
+    return [None if s is None else next(invs) for s in scales]
+
+
 def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optional[torch.Tensor] = None,
-                        amax: Optional[torch.Tensor] = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                        amax: Optional[torch.Tensor] = None, *, scale_inv: Optional[torch.Tensor] = None
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(fp8 data of ``t``'s shape, scale_inv [1], amax [1]) of ``t`` as a tensor of ``role``.
 
     scale: None for current scaling (the scale comes from the amax), else the role's delayed-scaling
     scale [1] from steps <= t-1, read only (the graph's update node folds in step t). amax: ``t``'s
     amax when the caller has it (all-reduced across ranks, or of the whole weight), else computed here.
+    scale_inv: 1 / scale when the caller computed it with its other scales' (``scale_invs``).
     """
     fp8_dtype = recipe.fp8_format.dtype_for(role)
     amax = tensor_amax(t) if amax is None else amax
     if scale is None:
         scale = current_scale(amax, role, recipe)
     data = cast_to_fp8(t, scale, fp8_dtype)
-    scale_inv = torch.div(torch.ones_like(scale), scale)
+    if scale_inv is None:
+        scale_inv = torch.div(torch.ones_like(scale), scale)
     return data, scale_inv, amax
 
 

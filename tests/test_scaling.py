@@ -367,3 +367,49 @@ def test_delayed_scale_callable_algos():
     assert seen == {"amax": history.max().item(), "scale": 3.0, "fmax": 57344.0, "recipe": marker}
     with pytest.raises(ValueError, match="amax_compute_algo must be 'max', 'most_recent' or a callable"):
         delayed_scale_from_history(history, torch.tensor([1.0]), E4M3, amax_compute_algo="mean")
+
+
+def test_scale_invs_is_one_op_with_the_bits_of_one_division_per_scale():
+    # DelayedScaling's scales are graph inputs: a division each is a one-element kernel on a GPU, so a
+    # site divides all of its scales in one foreach op (one kernel), with the bits of torch.div each.
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from te_compile.scaling import scale_invs
+
+    scales = [torch.tensor([448.0 / 3.1]), None, torch.tensor([3.0e-39]), torch.tensor([FLT_MAX]),
+              torch.rand(4, generator=torch.Generator().manual_seed(0)) * 1e4]
+    invs = scale_invs(*scales)
+    for s, inv in zip(scales, invs):
+        if s is None:
+            assert inv is None
+        else:
+            assert inv.shape == s.shape and torch.equal(inv, torch.div(torch.ones_like(s), s)), (s, inv)
+    assert scale_invs(None, None) == [None, None]
+    graph = make_fx(lambda a, b, c: scale_invs(a, b, c))(scales[0], scales[2], scales[4]).graph
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten._foreach_div.List) == 1 and torch.ops.aten.div.Tensor not in ops, ops
+
+
+def test_delayed_linear_forward_divides_its_scales_once():
+    # the input's and the weight's inverse in one op: before, two one-element divisions per linear
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from te_compile.distributed import NO_GROUPS
+    from te_compile.lowerings.linear_paths.per_tensor import Fp8LinearFunction
+    from te_compile.recipe import DelayedScaling
+
+    recipe = DelayedScaling()
+    x, w = torch.randn(32, 64), torch.randn(48, 64)
+    xs, ws, gs = torch.tensor([2.0]), torch.tensor([3.0]), torch.tensor([0.5])
+
+    def fwd(x, w, xs, ws, gs):
+        return Fp8LinearFunction.apply(x, w, recipe, NO_GROUPS, None, xs, ws, gs)
+
+    graph = make_fx(fwd)(x, w, xs, ws, gs).graph
+    ops = [n.target for n in graph.nodes if n.op == "call_function"]
+    assert ops.count(torch.ops.aten._foreach_div.List) == 1 and torch.ops.aten.div.Tensor not in ops, ops
+    # and the same output as the plain division gave: y against an explicit dequantized reference
+    y = fwd(x, w, xs, ws, gs)
+    xq = torch.clamp(x * 2.0, -448, 448).to(torch.float8_e4m3fn).float() / 2.0
+    wq = torch.clamp(w * 3.0, -448, 448).to(torch.float8_e4m3fn).float() / 3.0
+    torch.testing.assert_close(y, xq @ wq.T, rtol=1e-5, atol=1e-4)

@@ -39,10 +39,10 @@ from ..gemm.grouped import group_index
 from ..gemm.per_tensor import column_major
 from ..recipe import Recipe
 from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, quantize_per_tensor,
-                       quantize_rows_per_group, tensor_amax)
+                       quantize_rows_per_group, scale_invs, tensor_amax)
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction",
            "ActivationGroupedLinearLowering", "ActFp8GroupedLinearFunction", "activation"]
@@ -138,10 +138,12 @@ class ActFp8LinearFunction(torch.autograd.Function):
         recipe = spec.recipe
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
         x_amax = tensor_amax(a)
+        # delayed scaling: both inverses in one op (None, None under current scaling)
+        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
-        xq, x_sinv, x_amax = quantize_per_tensor(a, "input", recipe, x_scale, x_amax)
-        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype)
+        xq, x_sinv, x_amax = quantize_per_tensor(a, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype, w_sinv=w_sinv)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
         ctx.has_g_scale = g_scale is not None

@@ -23,7 +23,7 @@ import torch
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import column_major
-from ..scaling import quantize_per_tensor, tensor_amax
+from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
 from .attention import (
     AttentionLowering,
     AttentionSpec,
@@ -31,7 +31,7 @@ from .attention import (
     split_fp8_inputs,
 )
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
 
@@ -63,9 +63,11 @@ class AttentionProjectionFunction(torch.autograd.Function):
                                                                         fp8_inputs)
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
-        xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x))
+        # delayed scaling: both inverses in one op (None, None under current scaling)
+        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
+        xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x), scale_inv=x_sinv)
         xq = xq.contiguous()
-        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype, w_sinv=w_sinv)
         ctx.spec = spec
         ctx.dtypes = (o.dtype, w_nk.dtype)
         ctx.shape = (b, h, t, d)

@@ -30,8 +30,8 @@ from ..fx.cache_names import name_lowering
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..recipe import Recipe
-from ..scaling import current_scale
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
+from ..scaling import current_scale, scale_invs
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
@@ -71,14 +71,16 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         fp8 = recipe.fp8_format.dtype_for("input")
         mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, qspec)
         x_scale = flat[2]
+        consumers = [flat[_PER_CONSUMER * i:_PER_CONSUMER * (i + 1)] for i in range(len(spec.consumers))]
+        # delayed scaling: the input's and every weight's inverse in one op
+        x_sinv, *w_sinvs = scale_invs(x_scale, *(own_weight_scale(c[0], recipe, c[3]) for c in consumers))
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)
+            x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
         xq, xq_t = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, qspec, fp8)
-        x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
         outputs, saved_w, g_scales = [], [], []
-        for i in range(len(spec.consumers)):
-            w_nk, _, _, w_scale, g_scale = flat[_PER_CONSUMER * i:_PER_CONSUMER * (i + 1)]
-            y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=in_dtype)
+        for (w_nk, _, _, w_scale, g_scale), w_sinv in zip(consumers, w_sinvs):
+            y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=in_dtype, w_sinv=w_sinv)
             outputs.append(y)
             saved_w += [wq, w_sinv, w_amax]
             g_scales.append(g_scale)

@@ -25,11 +25,11 @@ import torch
 from ...distributed import is_dtensor, reduce_amaxes
 from ...gemm.per_tensor import column_major, fp8_gemm, operand_a, operand_b
 from ...quantization import weight_is_operand
-from ...scaling import quantize_per_tensor, tensor_amax
+from ...scaling import quantize_per_tensor, scale_invs, tensor_amax
 from ...tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad", "casts_weight_itself",
-           "weight_in_input_dtype"]
+           "weight_in_input_dtype", "own_weight_scale"]
 
 
 def casts_weight_itself(weight: torch.Tensor) -> bool:
@@ -49,14 +49,21 @@ def weight_in_input_dtype(w_nk: torch.Tensor, dtype: torch.dtype, recipe) -> tor
     return w_nk.to(dtype)
 
 
-def quantize_weight(w_nk, recipe, scale=None, amax=None):
+def own_weight_scale(w_nk, recipe, w_scale):
+    """``w_scale`` when the weight is quantized with it, None when it arrives quantized (with its own
+    scale): the weight scales whose inverse a site computes with its other scales' (``scale_invs``)."""
+    return None if weight_is_operand(w_nk, recipe) else w_scale
+
+
+def quantize_weight(w_nk, recipe, scale=None, amax=None, scale_inv=None):
     """(fp8 data [N, K], scale_inv [1], amax [1]) of the weight operand.
 
     A weight that arrives as a Float8Tensor in the recipe's weight format (FSDP2's FP8 all-gather,
     te_compile/fsdp.py; FP8 primary weights, te_compile/primary_weights.py) is used as it is: its
     bytes and scale, no second quantization. Under delayed scaling its amax still goes into the
     history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
-    one its bytes show. Any other weight is quantized like every operand (``quantize_per_tensor``).
+    one its bytes show. Any other weight is quantized like every operand (``quantize_per_tensor``;
+    ``scale_inv``: 1 / scale when the caller has it).
     """
     if weight_is_operand(w_nk, recipe):
         data = w_nk._data.view(w_nk._fp8_dtype)
@@ -68,16 +75,16 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None):
         return data, scale_inv, amax
     if isinstance(w_nk, QuantizedTensor):   # another format: its values, quantized again
         w_nk = w_nk.dequantize()
-    return quantize_per_tensor(w_nk, "weight", recipe, scale, amax)
+    return quantize_per_tensor(w_nk, "weight", recipe, scale, amax, scale_inv=scale_inv)
 
 
-def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype):
+def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype, w_sinv=None):
     """The forward GEMM of a per-tensor site, its FP8 input made by the caller (from x, a norm, an
     activation or an attention output): y [M, N] = xq [M, K] @ quantize(w_nk [N, K]).T.
 
     Returns (y, wq [N, K] contiguous: saved for dgrad, w's scale_inv [1], w's amax [1]). w_scale /
-    w_amax: see ``quantize_weight``."""
-    wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
+    w_amax / w_sinv: see ``quantize_weight``."""
+    wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax, w_sinv)
     wq = wq.contiguous()
     y = fp8_gemm(operand_a(xq), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype,
                  fast_accum=recipe.fast_accumulation("fprop"))
@@ -127,9 +134,12 @@ class Fp8LinearFunction(torch.autograd.Function):
                 [x_amax] = reduce_amaxes([x_amax], groups[:1])
             else:
                 x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
-        xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
+        # delayed scaling: both inverses in one op (None, None under current scaling)
+        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
+        xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
         xq = xq.contiguous()
-        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype,
+                                          w_sinv=w_sinv)
         ctx.recipe = recipe
         ctx.g_groups = groups[2]
         ctx.dtypes = (x2d.dtype, w_dtype)
