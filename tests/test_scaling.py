@@ -408,8 +408,10 @@ def test_delayed_linear_forward_divides_its_scales_once():
     graph = make_fx(fwd)(x, w, xs, ws, gs).graph
     ops = [n.target for n in graph.nodes if n.op == "call_function"]
     assert ops.count(torch.ops.aten._foreach_div.List) == 1 and torch.ops.aten.div.Tensor not in ops, ops
-    # and the same output as the plain division gave: y against an explicit dequantized reference
+    # and the bits the per-scale divisions gave: the CPU GEMM's own operations on the reference's FP8
+    # values, each scaled by torch.div's inverse (fp32, row-major operands)
     y = fwd(x, w, xs, ws, gs)
-    xq = torch.clamp(x * 2.0, -448, 448).to(torch.float8_e4m3fn).float() / 2.0
-    wq = torch.clamp(w * 3.0, -448, 448).to(torch.float8_e4m3fn).float() / 3.0
-    torch.testing.assert_close(y, xq @ wq.T, rtol=1e-5, atol=1e-4)
+    x8 = torch.clamp(x * xs, -448, 448).to(torch.float8_e4m3fn).float()
+    w8 = torch.clamp(w * ws, -448, 448).to(torch.float8_e4m3fn).float()
+    ref = (x8 * torch.div(torch.ones(1), xs)) @ (w8.t() * torch.div(torch.ones(1), ws)).contiguous()
+    assert_bitwise_equal(y, ref)

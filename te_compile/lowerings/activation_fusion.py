@@ -42,7 +42,7 @@ from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, qu
                        quantize_rows_per_group, scale_invs, tensor_amax)
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction",
            "ActivationGroupedLinearLowering", "ActFp8GroupedLinearFunction", "activation"]
@@ -139,7 +139,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
         x_amax = tensor_amax(a)
         # delayed scaling: both inverses in one op (None, None under current scaling)
-        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
+        x_sinv, w_sinv = scale_invs(x_scale, w_scale)
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
         xq, x_sinv, x_amax = quantize_per_tensor(a, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)

@@ -31,7 +31,7 @@ from .attention import (
     split_fp8_inputs,
 )
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
 
@@ -64,7 +64,7 @@ class AttentionProjectionFunction(torch.autograd.Function):
         b, h, t, d = o.shape
         x = o.transpose(1, 2).reshape(b * t, h * d)
         # delayed scaling: both inverses in one op (None, None under current scaling)
-        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
+        x_sinv, w_sinv = scale_invs(x_scale, w_scale)
         xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x), scale_inv=x_sinv)
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype, w_sinv=w_sinv)

@@ -31,7 +31,7 @@ from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_
 from ..norm_spec import NormSpec
 from ..recipe import Recipe
 from ..scaling import current_scale, scale_invs
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop, own_weight_scale
+from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
@@ -73,7 +73,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
         x_scale = flat[2]
         consumers = [flat[_PER_CONSUMER * i:_PER_CONSUMER * (i + 1)] for i in range(len(spec.consumers))]
         # delayed scaling: the input's and every weight's inverse in one op
-        x_sinv, *w_sinvs = scale_invs(x_scale, *(own_weight_scale(c[0], recipe, c[3]) for c in consumers))
+        x_sinv, *w_sinvs = scale_invs(x_scale, *(c[3] for c in consumers))
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)
             x_sinv = torch.div(torch.ones_like(x_scale), x_scale)

@@ -29,7 +29,7 @@ from ...scaling import quantize_per_tensor, scale_invs, tensor_amax
 from ...tensor.quantized_tensor import QuantizedTensor
 
 __all__ = ["Fp8LinearFunction", "quantize_weight", "fp8_fprop", "fp8_dgrad_wgrad", "casts_weight_itself",
-           "weight_in_input_dtype", "own_weight_scale"]
+           "weight_in_input_dtype"]
 
 
 def casts_weight_itself(weight: torch.Tensor) -> bool:
@@ -49,12 +49,6 @@ def weight_in_input_dtype(w_nk: torch.Tensor, dtype: torch.dtype, recipe) -> tor
     return w_nk.to(dtype)
 
 
-def own_weight_scale(w_nk, recipe, w_scale):
-    """``w_scale`` when the weight is quantized with it, None when it arrives quantized (with its own
-    scale): the weight scales whose inverse a site computes with its other scales' (``scale_invs``)."""
-    return None if weight_is_operand(w_nk, recipe) else w_scale
-
-
 def quantize_weight(w_nk, recipe, scale=None, amax=None, scale_inv=None):
     """(fp8 data [N, K], scale_inv [1], amax [1]) of the weight operand.
 
@@ -62,8 +56,9 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None, scale_inv=None):
     te_compile/fsdp.py; FP8 primary weights, te_compile/primary_weights.py) is used as it is: its
     bytes and scale, no second quantization. Under delayed scaling its amax still goes into the
     history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
-    one its bytes show. Any other weight is quantized like every operand (``quantize_per_tensor``;
-    ``scale_inv``: 1 / scale when the caller has it).
+    one its bytes show; its own scale_inv stands (a ``scale_inv`` passed goes unused). Any other
+    weight is quantized like every operand (``quantize_per_tensor``; ``scale_inv``: 1 / scale when the
+    caller has it).
     """
     if weight_is_operand(w_nk, recipe):
         data = w_nk._data.view(w_nk._fp8_dtype)
@@ -135,7 +130,7 @@ class Fp8LinearFunction(torch.autograd.Function):
             else:
                 x_amax, w_amax = reduce_amaxes([x_amax, w_amax], groups[:2])
         # delayed scaling: both inverses in one op (None, None under current scaling)
-        x_sinv, w_sinv = scale_invs(x_scale, own_weight_scale(w_nk, recipe, w_scale))
+        x_sinv, w_sinv = scale_invs(x_scale, w_scale)
         xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype,
