@@ -18,7 +18,7 @@ expert GEMMs then run eagerly in high precision, in no graph te is given, with n
 The twin made here is that same function (same source, file and line numbers) with the loop header
 ``for expert_idx in range(self.num_experts)`` and without the ``expert_idx = expert_idx[0]`` that
 unpacked the tensor: ``expert_idx`` is an int, so each GEMM reads ``W[e]`` with a constant e, the
-per-expert-loop form te rewrites (passes/sites.py), and with ``capture_dynamic_output_shape_ops`` the
+per-expert-loop form te rewrites (passes/linear.py), and with ``capture_dynamic_output_shape_ops`` the
 whole loop is one graph, each expert's token count an unbacked size. An expert no token picked gets
 zero rows and its ``index_add_`` of zero rows changes nothing, so the twin computes what the loop
 computes, in the same order (bit for bit in high precision).

@@ -27,8 +27,8 @@ import torch.fx as fx
 
 from ..distributed import is_dtensor
 from ..lowerings.linear_paths.async_tp import AsyncTp
+from ..fx.gemm_operands import LinearSite
 from ..fx.matching import value_of
-from .sites import LinearSite
 
 __all__ = ["async_tp_enabled", "async_tp_form", "column_groups"]
 

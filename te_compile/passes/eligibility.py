@@ -9,8 +9,8 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..distributed import is_dtensor, local_value
 from ..quantization import FLOAT_DTYPES
 from ..recipe import Recipe
+from ..fx.gemm_operands import LinearSite
 from ..fx.matching import shape_text, value_of
-from .sites import LinearSite
 
 __all__ = ["why_not_linear", "shape_str", "divisible"]
 

@@ -1,10 +1,24 @@
 """The grouped linear pass: every grouped GEMM of an MoE layer's experts becomes a call to
-``GroupedLinearLowering``, or a report row saying why not."""
+``GroupedLinearLowering``, or a report row saying why not.
+
+Its finder (``find_grouped_sites``) takes one call of an MoE layer's experts: tokens sorted by expert
+[M, K] times a 3-D parameter [E, K, N] (or [E, N, K] read through ``.transpose(-2, -1)``), groups given
+by ``offs``, or every expert's equal share of a batch [E, T, K] (Llama 4's experts):
+
+    torch._grouped_mm(x, W.transpose(-2, -1), offs=offs)   F.grouped_mm(x, W, offs=offs)
+    torch.ops.transformers.grouped_mm_fallback(x, W, offs)  (transformers' op for fp32 / fp16 weights)
+    torch.bmm(x.view(E, T, K), W)                           (no offs: T rows per expert)
+
+W may be read through ``W.to_local()``: a DTensor parameter's shard (torchtitan's experts under
+expert parallelism hold ``Shard(0)`` weights and compute on this rank's experts). A grouped GEMM
+whose operands say it cannot be lowered is returned with ``unsupported`` saying why, for the report.
+"""
 
 from __future__ import annotations
 
 from typing import Optional
 
+import torch.fx as fx
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..distributed import is_dtensor
@@ -15,13 +29,72 @@ from ..recipe import Recipe
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..fx.editing import insert_call, replace_node, replace_with_call
-from ..fx.graphs import GraphScope
+from ..fx.gemm_operands import (BMM_FNS, GroupedSite, argument, batched_experts, grouped_op, param_behind, rank,
+                                reaches_param)
+from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import shape_text, value_of
 from .context import PassContext
 from .eligibility import divisible
-from .sites import GroupedSite, find_grouped_sites
 
-__all__ = ["rewrite_grouped_linears"]
+__all__ = ["rewrite_grouped_linears", "find_grouped_sites"]
+
+
+# ---- finding the sites ------------------------------------------------------------------------------
+
+
+def _grouped_site(node: fx.Node, op_name: str, params, fqn: str) -> Optional[GroupedSite]:
+    fallback = op_name == "grouped_mm_fallback"
+    x = argument(node, 0, "input" if fallback else "mat_a")
+    w = argument(node, 1, "weight" if fallback else "mat_b")
+    offs = argument(node, 2, "offs")
+    if not any(reaches_param(a, params) for a in (x, w)):
+        return None   # activations times activations (attention-like): not a weight GEMM
+    param, flipped, _ = param_behind(w, params)
+    site = GroupedSite(node, x, w, offs, param, not flipped, fqn, op_name)
+    if param is None:
+        site.unsupported = (f"{op_name} whose weight operand is not a parameter read as it is or "
+                            f"transposed (a computed or sliced weight)")
+    elif rank(x) != 2 or rank(w) != 3:
+        site.unsupported = f"{op_name} of a {rank(x)}-D input and a {rank(w)}-D weight (lowered: 2-D tokens x 3-D)"
+    elif not isinstance(offs, fx.Node):
+        site.unsupported = f"{op_name} without offs"
+    elif argument(node, 3, "bias") is not None:
+        site.unsupported = f"{op_name} with a bias argument"
+    elif argument(node, 4, "out_dtype") not in (None, getattr(value_of(x), "dtype", None)):
+        site.unsupported = f"{op_name} with out_dtype={argument(node, 4, 'out_dtype')}, not its input's dtype"
+    return site
+
+
+def _batched_site(node: fx.Node, params, fqn: str) -> Optional[GroupedSite]:
+    x, w = node.args[0], node.args[1]
+    if len(node.args) != 2 or node.kwargs or not batched_experts(x, w, params):
+        return None
+    param, flipped, _ = param_behind(w, params)
+    site = GroupedSite(node, x, w, None, param, not flipped, fqn, "bmm", batched=True)
+    if value_of(x).shape[0] != value_of(w).shape[0]:
+        site.unsupported = f"bmm of {value_of(x).shape[0]} batches against {value_of(w).shape[0]} experts"
+    return site
+
+
+def find_grouped_sites(scope: GraphScope) -> list[GroupedSite]:
+    """Every grouped GEMM call of ``scope``'s graph with a parameter operand, in graph order."""
+    sites = []
+    for node in scope.graph.nodes:
+        op_name = grouped_op(node)
+        fqn = scope.fqn(module_fqn(node)) if node.op in ("call_function", "call_method") else ""
+        if op_name is not None:
+            site = _grouped_site(node, op_name, scope.params, fqn)
+        elif (node.op == "call_function" and node.target in BMM_FNS) or (node.op == "call_method"
+                                                                           and node.target == "bmm"):
+            site = _batched_site(node, scope.params, fqn)
+        else:
+            site = None
+        if site is not None:
+            sites.append(site)
+    return sites
+
+
+# ---- the pass ---------------------------------------------------------------------------------------
 
 
 def _shapes(site: GroupedSite) -> str:

@@ -27,8 +27,8 @@ import torch.fx as fx
 from ..recipe import Recipe
 from ..weight_cache import cached_fp8_weight
 from ..fx.graphs import GraphScope
+from ..fx.gemm_operands import LinearSite
 from .context import PassContext
-from .sites import LinearSite
 
 __all__ = ["CachedWeightInput", "cached_weight"]
 

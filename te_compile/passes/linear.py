@@ -1,5 +1,24 @@
 """The linear pass: every linear site of one graph becomes a call to its lowering, or a report row
-saying why not."""
+saying why not.
+
+Its finder (``find_linear_sites``, also the fused loss pass's) takes every matmul-like call with a
+weight and names its module. A linear site is ``F.linear(x, w, b)`` with any weight, or a matmul
+whose one operand is a 2-D parameter, reached directly or through transposes and dtype casts
+(fx/gemm_operands.py), and whose other operand is an activation:
+
+    x @ W.T + b   x @ W.t()   torch.matmul(x, W.transpose(0, 1))   F.linear(x, W.to(x.dtype))
+    x @ W (W stored [in, out])   torch.addmm(b, x, W) (HF Conv1D)   torch.mm(x, W)   W @ x
+    torch.baddbmm(b, x, W.expand(B, K, N))   torch.bmm(x, W.expand(B, K, N))
+
+The weight may also be one expert's matrix of a 3-D parameter, taken with a constant index inside a
+per-expert loop (``expert`` then says which):
+
+    F.linear(x_e, W[e])   x_e @ W[e].T   x_e @ W[e] (W stored [E, in, out])
+
+A matmul-like call with a parameter operand in any other form (einsum, a batched parameter, two
+parameters, addmm with alpha/beta) is returned too, with ``unsupported`` saying why, so the report
+lists it: a layer the report does not show does not exist.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +26,7 @@ import operator
 from dataclasses import dataclass
 from typing import Optional, Union
 
+import torch
 import torch.fx as fx
 
 from ..distributed import (NO_GROUPS, describe_role_groups, is_dtensor, local_value, merge_role_groups,
@@ -19,14 +39,132 @@ from ..quantization import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..fx.editing import insert_call, replace_with_call
-from ..fx.graphs import GraphScope
+from ..fx.gemm_operands import (BMM_FNS, LinearSite, batched_experts, grouped_op, param_behind, rank,
+                                reaches_param, unbroadcast)
+from ..fx.graphs import GraphScope, ParamRef, module_fqn
 from .eligibility import shape_str, why_not_linear
 from .inference_weights import cached_weight
-from .sites import LinearSite, find_linear_sites
 from .async_tp import async_tp_enabled, async_tp_form, column_groups
 from .context import PassContext
 
-__all__ = ["rewrite_linears"]
+__all__ = ["rewrite_linears", "find_linear_sites"]
+
+
+# ---- finding the sites ------------------------------------------------------------------------------
+
+_LINEAR = (torch._C._nn.linear, torch.nn.functional.linear)
+_MATMUL_FNS = (torch.matmul, operator.matmul, torch.mm, torch.Tensor.matmul, torch.Tensor.mm)
+_MATMUL_METHODS = ("matmul", "mm", "__matmul__")
+_ADDMM_FNS = (torch.addmm, torch.Tensor.addmm)
+_BADDBMM_FNS = (torch.baddbmm, torch.Tensor.baddbmm)
+_OTHER_MATMULS = {torch.einsum: "einsum", torch.functional.einsum: "einsum", torch.tensordot: "tensordot",
+                  torch.inner: "inner", torch.mv: "mv", torch.addmv: "addmv", torch.outer: "outer",
+                  torch.nn.functional.bilinear: "bilinear"}
+# Words that make any other op (grouped_mm, a library's custom GEMM op) count as matmul-like for the
+# report when one of its operands reaches a parameter.
+_MATMUL_WORDS = frozenset({"mm", "bmm", "matmul", "einsum", "linear", "gemm", "addmm", "baddbmm"})
+
+
+def _matmul_word_name(node: fx.Node) -> Optional[str]:
+    """The name of an op not handled above that reads like a matmul ("grouped_mm", a custom op)."""
+    target = node.target
+    name = target if isinstance(target, str) else getattr(target, "__name__", None) or str(target)
+    words = set(name.lower().replace(".", "_").replace(":", "_").split("_"))
+    return name if words & _MATMUL_WORDS else None
+
+
+def _matmul_site(node, x, w, bias, op_name, fqn, params) -> Optional[LinearSite]:
+    """A site for ``x @ w (+ bias)`` where one operand is a parameter; None when neither is."""
+    w_param, _, w_expert = param_behind(w, params, experts=True)
+    x_param, _, x_expert = param_behind(x, params, experts=True)
+    if w_param is None and x_param is None:
+        if reaches_param(w, params) or reaches_param(x, params):
+            return LinearSite(node, x, w, None, bias, True, fqn, op_name,
+                              unsupported=f"{op_name} with a parameter reached through other ops")
+        return None
+    if w_param is not None and x_param is not None:
+        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name,
+                          unsupported=f"{op_name} of two parameters ({x_param.name}, {w_param.name}): "
+                                      "no activation operand")
+    if w_param is not None:
+        if rank(w) != 2:
+            return LinearSite(node, x, w, w_param, bias, True, fqn, op_name,
+                              unsupported=f"parameter operand {w_param.name} is {rank(w)}-D, not 2-D")
+        return LinearSite(node, x, w, w_param, bias, True, fqn, op_name, expert=w_expert)
+    # W @ x: the weight is [N, K] as read, x [..., K, M]
+    if rank(x) != 2:
+        return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
+                          unsupported=f"parameter operand {x_param.name} is {rank(x)}-D, not 2-D")
+    if bias is not None:
+        return LinearSite(node, w, x, x_param, bias, False, fqn, op_name, weight_first=True,
+                          unsupported=f"{op_name} with the parameter as its left operand and an addend")
+    return LinearSite(node, w, x, x_param, None, False, fqn, op_name, weight_first=True, expert=x_expert)
+
+
+def _site(node: fx.Node, params: dict[fx.Node, ParamRef], fqn: str) -> Optional[LinearSite]:
+    target = node.target
+    if node.op == "call_function" and target in _LINEAR:
+        x, w = node.args[0], node.args[1]
+        b = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        param, _, expert = param_behind(w, params, experts=True)
+        return LinearSite(node, x, w, param, b, False, fqn, "linear", expert=expert)
+    is_call = node.op == "call_function"
+    if (is_call and target in _MATMUL_FNS) or (node.op == "call_method" and target in _MATMUL_METHODS):
+        if len(node.args) != 2 or node.kwargs:
+            return None
+        return _matmul_site(node, node.args[0], node.args[1], None, "matmul", fqn, params)
+    if is_call and target in _ADDMM_FNS:
+        b, x, w = node.args[:3]
+        site = _matmul_site(node, x, w, b, "addmm", fqn, params)
+        if site is not None and (len(node.args) > 3 or any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha"))):
+            site.unsupported = "addmm with beta or alpha other than 1"
+        return site
+    if is_call and target in (*BMM_FNS, *_BADDBMM_FNS):
+        baddbmm = target in _BADDBMM_FNS
+        b, x, w = node.args[:3] if baddbmm else (None, *node.args[:2])
+        if not baddbmm and batched_experts(x, w, params):
+            return None   # the grouped linear pass's (grouped_linear.py)
+        w2 = unbroadcast(w)
+        site = None
+        if w2 is not None and param_behind(w2, params)[0] is not None and rank(x) == 3:
+            site = _matmul_site(node, x, w2, b, target.__name__, fqn, params)
+        elif reaches_param(w, params) or reaches_param(x, params):
+            site = LinearSite(node, x, w, None, b, True, fqn, target.__name__,
+                              unsupported=f"{target.__name__} with a batched parameter operand")
+        if site is not None and baddbmm and any(node.kwargs.get(k, 1) != 1 for k in ("beta", "alpha")):
+            site.unsupported = "baddbmm with beta or alpha other than 1"
+        return site
+    if grouped_op(node) is not None or (node.op == "call_method" and target == "bmm" and len(node.args) == 2
+                                         and batched_experts(*node.args, params)):
+        return None   # the grouped linear pass's (grouped_linear.py)
+    name = _OTHER_MATMULS.get(target) if is_call else None
+    name = name or _matmul_word_name(node)
+    if name is not None:
+        operands = [a for a in (*node.args, *node.kwargs.values()) if isinstance(a, fx.Node)]
+        if operands and any(reaches_param(a, params) for a in operands):
+            return LinearSite(node, operands[0], operands[-1], None, None, False, fqn, name,
+                              unsupported=f"{name} with a parameter operand is not lowered")
+    return None
+
+
+def find_linear_sites(scope: GraphScope) -> list[LinearSite]:
+    """Every linear-like call of ``scope``'s graph, in graph order (see the module docstring)."""
+    sites = []
+    for node in scope.graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        site = _site(node, scope.params, scope.fqn(module_fqn(node)))
+        if site is None:
+            continue
+        if site.fqn == "" and site.param is not None and "." in site.param.name:
+            # A root-level call on a submodule's weight (F.linear(h, self.wte.weight)): name the site
+            # after the module that owns the weight.
+            site.fqn = site.param.name.rsplit(".", 1)[0]
+        sites.append(site)
+    return sites
+
+
+# ---- the pass ---------------------------------------------------------------------------------------
 
 
 def _gemm_path(site: LinearSite, recipe, config) -> tuple[bool, str]:

@@ -34,10 +34,11 @@ from ..lowerings.linear_cross_entropy import (LinearCrossEntropyLowering, Linear
                                               size_hint)
 from ..lowerings.vocab_parallel import plan_vocab_parallel
 from ..fx.editing import insert_call, replace_node
+from ..fx.gemm_operands import LinearSite
 from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import CASTS, MUL, calls, method_or_name, shape_of, value_of, written_between
 from .context import PassContext
-from .sites import LinearSite, find_linear_sites
+from .linear import find_linear_sites
 
 __all__ = ["fuse_linear_cross_entropy"]
 
