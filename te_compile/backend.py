@@ -1,10 +1,17 @@
-"""The ``te`` Dynamo backend: config -> passes -> lowerings -> inductor (or aot_eager)."""
+"""The ``te`` Dynamo backend: config -> passes -> lowerings -> inductor (or aot_eager).
+
+For each graph Dynamo hands it, the backend resolves the config as it applies to that graph
+(``passes/settings.py``), runs ``PASSES`` over a copy of the graph in order (``run_passes``: the
+order and what each pass hands the next are in passes/README.md), and compiles the result with
+inductor, appending the recipe state the passes asked for to every call's inputs.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
+from dataclasses import dataclass, field
 from typing import Callable, Iterator, Optional, Sequence, Union
 
 import torch
@@ -15,16 +22,26 @@ from torch._guards import detect_fake_mode
 from .config import ConfigError, TeConfig, config_argument, resolve_config
 from .eager_experts import trace_eager_experts
 from .library_warnings import ignore_library_warnings
-from .passes import run_passes
+from .passes.activation_fusion import fuse_activations, fuse_hand_written_activations
 from .passes.async_tp import async_tp_enabled
-from .passes.settings import resolve_settings
-from .fx.graphs import graph_scopes
+from .passes.attention import rewrite_attention
+from .passes.attention_projection import hand_off_fp8_mha
+from .passes.context import PassContext
+from .passes.delayed_state import DelayedState, ExtraInput
+from .passes.grouped_linear import rewrite_grouped_linears
+from .passes.linear import rewrite_linears
+from .passes.linear_cross_entropy import fuse_linear_cross_entropy
+from .passes.norm_fusion import fuse_norms
+from .passes.settings import PassSettings, resolve_settings
+from .fx.cache_names import publish_lowerings
+from .fx.graphs import GraphScope, graph_scopes
+from .fx.naming import FrameInstances
 from .fx.micro_pipeline import micro_pipeline_tp
 from .fx.offload import OffloadPartitioner
 from .hardware import is_activation_offload_available
-from .report import Report, add_records, next_graph_id
+from .report import Report, SiteRecord, add_records, next_graph_id
 
-__all__ = ["te_backend", "backend"]
+__all__ = ["te_backend", "backend", "run_passes", "PASSES", "PassResult"]
 
 log = logging.getLogger("te_compile")
 
@@ -32,6 +49,70 @@ log = logging.getLogger("te_compile")
 # first traces them
 trace_eager_experts()
 ignore_library_warnings()
+
+
+Pass = Callable[[PassContext, GraphScope], int]
+
+# The order matters (passes/README.md says why): the norm and activation passes fuse into
+# the linears the linear pass created, the fp8_mha pass joins the attention pass's sites to them.
+PASSES: tuple[Pass, ...] = (
+    rewrite_linears,
+    rewrite_grouped_linears,
+    fuse_linear_cross_entropy,
+    fuse_norms,
+    fuse_activations,
+    fuse_hand_written_activations,
+    rewrite_attention,
+    hand_off_fp8_mha,
+)
+
+
+@dataclass
+class PassResult:
+    records: list[SiteRecord] = field(default_factory=list)
+    extra_inputs: list[ExtraInput] = field(default_factory=list)   # after Dynamo's, in order
+    counts: dict[str, int] = field(default_factory=dict)           # pass name -> sites rewritten
+    instances: Optional[FrameInstances] = None   # None: the graph takes no parameter
+    # "<module>.<name>" -> digest of each lowering the graph calls (fx/cache_names.py): for inductor's
+    # unsafe_marked_cacheable_functions, so that AOTAutograd's cache may keep the graph
+    cacheable: dict[str, str] = field(default_factory=dict)
+
+    def extra_tensors(self, args: Sequence) -> list[torch.Tensor]:
+        """The extra graph inputs for a call with Dynamo's ``args``."""
+        return [t for extra in self.extra_inputs for t in extra.tensors(args)]
+
+
+def run_passes(gm: fx.GraphModule, example_inputs: Sequence, settings: PassSettings,
+               graph_id: int = 0) -> PassResult:
+    """Apply ``PASSES`` to ``gm`` and every HOP body in it, in place, under ``settings`` (the caller
+    resolves them for this graph: ``settings.resolve_settings``); return one record per site seen and
+    the extra inputs the rewritten graph takes.
+
+    The driver knows no site kind and works out no setting: it runs each pass over each graph, lets
+    the DelayedScaling state the passes collected wire itself in, and cleans up (dead code, stable
+    lowering names for AOTAutograd's cache, lint, recompile)."""
+    scopes = graph_scopes(gm, example_inputs)
+    # Dynamo's graph holds no dead code: a node nothing reads is there for its effect (an in-place
+    # copy_ / relu_ / add_ into a buffer the graph reads later, which fx's own purity test calls pure)
+    effects = {n for scope in scopes for n in scope.graph.nodes if not n.users}
+    ctx = PassContext.for_graph(settings, graph_id, DelayedState(scopes[0], example_inputs, settings.inference))
+    counts = {}
+    for rewrite in PASSES:
+        counts[rewrite.__name__] = sum(rewrite(ctx, scope) for scope in scopes)
+    extra_inputs = ctx.delayed.finish()
+    for scope in scopes:
+        # only what the passes left unread goes
+        scope.graph.eliminate_dead_code(is_impure_node=lambda n: n in effects or n.is_impure())
+    cacheable = publish_lowerings([scope.gm for scope in scopes])
+    for scope in scopes:
+        scope.graph.lint()
+        scope.gm.recompile()
+    records = ctx.records()
+    top = scopes[0]
+    anchor = min(top.params.values(), key=lambda p: p.index, default=None)
+    instances = None if anchor is None else FrameInstances(
+        settings.config, records, top.prefix, anchor.index, anchor.name[len(top.prefix):])
+    return PassResult(records, extra_inputs, counts, instances, cacheable)
 
 
 @contextlib.contextmanager

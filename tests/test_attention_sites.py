@@ -364,7 +364,7 @@ def test_sdpa_on_dtensors_split_along_the_sequence_is_left_to_torchs_context_par
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from te_compile.config import resolve_config
-    from te_compile.passes import run_passes
+    from te_compile.backend import run_passes
     from te_compile.passes.settings import resolve_settings
 
     config = resolve_config({"recipe": "Float8CurrentScaling", "rewrite": {"sdpa": True}})
