@@ -12,7 +12,7 @@ all-gather:
   instead of 2 (bf16) or 4 (fp32);
 - ``fsdp_post_all_gather`` wraps the gathered bytes and that scale in a ``Float8Tensor``: the
   unsharded parameter the compiled graph sees. The linear lowering uses its bytes as the weight
-  operand of the FP8 GEMMs (lowerings/linear_paths/per_tensor.py ``quantize_weight``): no second quantization.
+  operand of the FP8 GEMMs (gemm/per_tensor.py ``quantize_weight``): no second quantization.
 
 One scale across shards: current scaling's amax is that of the whole weight, the MAX all-reduce of
 the shard amaxes over the FSDP mesh, so the gathered bytes equal those one process quantizing the

@@ -5,8 +5,8 @@ Inside ``with te_compile.quantized_model_init(recipe=...)`` every ``nn.Linear`` 
 holds its weight as a quantized parameter of the recipe's weight format and nothing else: a
 ``Float8Tensor`` (current or delayed scaling), an ``MXFP8Tensor`` or a ``Float8BlockwiseQTensor``.
 A weight of N x K elements then costs N*K bytes instead of 2 or 4 per element. The te backend takes
-such a weight as the GEMM operand as it is (lowerings/linear_paths/per_tensor.py ``quantize_weight``,
-lowerings/linear_paths/quantizer.py ``_weight_operand``): no second quantization.
+such a weight as the GEMM operand as it is (gemm/per_tensor.py ``quantize_weight``,
+lowerings/linear.py ``_weight_operand``): no second quantization.
 
 Training keeps fp32 master weights in the optimizer (optionally ZeRO-sharded) and writes the new
 bytes and scales back with ``te_compile.tensor.utils.cast_master_weights_to_fp8`` after each step.

@@ -21,7 +21,7 @@ from te_compile.kernels.fp8_attention import (
     quantize_heads,
 )
 from te_compile.gemm.per_tensor import column_major, fp8_gemm
-from te_compile.lowerings.linear_paths.per_tensor import quantize_weight
+from te_compile.gemm.per_tensor import quantize_weight
 from te_compile.recipe import Float8CurrentScaling
 from te_compile.scaling import quantize_per_tensor
 from utils import assert_bitwise_equal, assert_sqnr_at_least

@@ -458,7 +458,7 @@ def test_fp8_lowering_uses_a_float8tensor_weight_as_it_is():
     Float8Tensor with another scale shows its own bytes are used, not re-quantized from its values."""
     from te_compile.distributed import NO_GROUPS
     from te_compile.gemm.per_tensor import fp8_gemm
-    from te_compile.lowerings.linear_paths.per_tensor import Fp8LinearFunction
+    from te_compile.lowerings.linear import Fp8LinearFunction
     from te_compile.scaling import quantize_per_tensor
     from te_compile.tensor import Float8CurrentScalingQuantizer
 

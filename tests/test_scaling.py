@@ -395,7 +395,7 @@ def test_delayed_linear_forward_divides_its_scales_once():
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from te_compile.distributed import NO_GROUPS
-    from te_compile.lowerings.linear_paths.per_tensor import Fp8LinearFunction
+    from te_compile.lowerings.linear import Fp8LinearFunction
     from te_compile.recipe import DelayedScaling
 
     recipe = DelayedScaling()

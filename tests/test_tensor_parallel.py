@@ -44,7 +44,7 @@ def world(tmp_path_factory):
 
 def _record_gemms():
     """Record the operands of every FP8 GEMM the per-tensor lowering runs (eager)."""
-    import te_compile.lowerings.linear_paths.per_tensor as fp8_linear
+    import te_compile.gemm.per_tensor as fp8_linear
 
     calls = []
     real = fp8_linear.fp8_gemm

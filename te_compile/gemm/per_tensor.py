@@ -1,4 +1,15 @@
-"""Per-tensor FP8 GEMMs: torch._scaled_mm on CUDA (exact emulation where the device has no FP8 GEMM).
+"""Per-tensor FP8 GEMMs: torch._scaled_mm on CUDA (exact emulation where the device has no FP8 GEMM),
+and the three GEMMs of a per-tensor linear around it.
+
+``fp8_gemm`` is one scaled GEMM. ``fp8_fprop`` and ``fp8_dgrad_wgrad`` are a linear's (HYBRID: E4M3
+forward tensors, E5M2 gradients; all E4M3 for the E4M3 format), each quantizing the operand it owns
+(the weight in fprop, the gradient in backward) with te_compile.scaling's ``quantize_per_tensor``;
+the per-tensor linear (lowerings/linear.py) and the fused lowerings (norm, activation, attention
+projection, output layer) call them with an FP8 input they made themselves:
+
+- fprop  y  = x  @ w.T   : x  [M, K] E4M3 (row-major),  w  [N, K] E4M3 (as column-major [K, N])
+- dgrad  dx = g  @ w     : g  [M, N] E5M2 (row-major),  w  [N, K] E4M3 (as column-major)
+- wgrad  dw = g.T @ x    : g.T [N, M] E5M2 (row-major), x  [M, K] E4M3 (as column-major)
 
 On CPU, torch._scaled_mm is itself an emulation: it upcasts both operands to fp32 with scalar eager
 loops (slow: ~1.8 ns per element here, as long as the matmul itself at the demo's shapes), then
@@ -20,9 +31,13 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
+from ..quantization import weight_is_operand
+from ..scaling import quantize_per_tensor, tensor_amax
+from ..tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["fp8_gemm", "scaled_mm", "column_major", "operand_a", "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm",
-           "cpu_emulates_scaled_mm", "fp8_gemm_kind", "CUDA_ALIGN"]
+__all__ = ["fp8_gemm", "scaled_mm", "fp8_fprop", "fp8_dgrad_wgrad", "quantize_weight", "column_major", "operand_a",
+           "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind",
+           "CUDA_ALIGN"]
 
 log = logging.getLogger(__name__)
 
@@ -189,3 +204,62 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
     return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+
+
+# ---- a per-tensor linear's GEMMs --------------------------------------------------------------------
+
+
+def quantize_weight(w_nk, recipe, scale=None, amax=None, scale_inv=None):
+    """(fp8 data [N, K], scale_inv [1], amax [1]) of the weight operand.
+
+    A weight that arrives as a Float8Tensor in the recipe's weight format (FSDP2's FP8 all-gather,
+    te_compile/fsdp.py; FP8 primary weights, te_compile/primary_weights.py) is used as it is: its
+    bytes and scale, no second quantization. Under delayed scaling its amax still goes into the
+    history: the one it carries (``_amax``, the amax of the values it was quantized from) or else the
+    one its bytes show; its own scale_inv stands (a ``scale_inv`` passed goes unused). Any other
+    weight is quantized like every operand (``quantize_per_tensor``; ``scale_inv``: 1 / scale when the
+    caller has it).
+    """
+    if weight_is_operand(w_nk, recipe):
+        data = w_nk._data.view(w_nk._fp8_dtype)
+        scale_inv = w_nk._scale_inv
+        if amax is None and w_nk._amax is not None:
+            amax = w_nk._amax
+        elif amax is None:
+            amax = tensor_amax(data.to(torch.float32)) * scale_inv if scale is not None else torch.zeros_like(scale_inv)
+        return data, scale_inv, amax
+    if isinstance(w_nk, QuantizedTensor):   # another format: its values, quantized again
+        w_nk = w_nk.dequantize()
+    return quantize_per_tensor(w_nk, "weight", recipe, scale, amax, scale_inv=scale_inv)
+
+
+def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype, w_sinv=None):
+    """The forward GEMM of a per-tensor site, its FP8 input made by the caller (from x, a norm, an
+    activation or an attention output): y [M, N] = xq [M, K] @ quantize(w_nk [N, K]).T.
+
+    Returns (y, wq [N, K] contiguous: saved for dgrad, w's scale_inv [1], w's amax [1]). w_scale /
+    w_amax / w_sinv: see ``quantize_weight``."""
+    wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax, w_sinv)
+    wq = wq.contiguous()
+    y = fp8_gemm(operand_a(xq), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype,
+                 fast_accum=recipe.fast_accumulation("fprop"))
+    return y, wq, w_sinv, w_amax
+
+
+def fp8_dgrad_wgrad(grad_y, recipe, wq, w_sinv, x_sinv, x_colmajor, *, dx_dtype, dw_dtype, g_scale=None,
+                    g_amax=None):
+    """The backward GEMMs of a per-tensor site from its saved FP8 operands; grad_y [M, N] is quantized
+    here (E5M2 under HYBRID) with ``g_scale`` (delayed scaling) or its own amax (``g_amax`` when the
+    caller all-reduced it).
+
+    dgrad dx [M, K] = gq @ wq in ``dx_dtype`` (None: not needed); wgrad dw [N, K] = gq.T @ xq in
+    ``dw_dtype``, where ``x_colmajor()`` gives the forward's FP8 input [M, K] column-major (saved,
+    saved transposed or recomputed: the caller's choice; None: no wgrad). Returns (dx, dw, g_amax [1]).
+    """
+    gq, g_sinv, g_amax = quantize_per_tensor(grad_y, "grad_output", recipe, g_scale, g_amax)
+    gq = gq.contiguous()
+    dx = None if dx_dtype is None else fp8_gemm(gq, operand_b(wq), g_sinv, w_sinv, out_dtype=dx_dtype)
+    dw = None
+    if x_colmajor is not None:
+        dw = fp8_gemm(operand_a(gq.t()), x_colmajor(), g_sinv, x_sinv, out_dtype=dw_dtype)
+    return dx, dw, g_amax

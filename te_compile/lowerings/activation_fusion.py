@@ -21,8 +21,8 @@ anyway) and the FP8 scale, not the FP8 copy of a: backward recomputes a's bytes 
 from the saved input (one elementwise pass) instead of keeping [M, K] bytes alive from forward to
 backward. Under the recipe's ``fp8_activation_input`` that input is itself saved in FP8 (E4M3, a scale
 from its own amax; per expert between MoE GEMMs), and backward reads the activation and the wgrad
-operand from the dequantized values. Per-tensor recipes (current and delayed scaling); GEMMs and
-scale handling are linear_paths/per_tensor.py's.
+operand from the dequantized values. Per-tensor recipes (current and delayed scaling); the GEMMs are
+gemm/per_tensor.py's and the scale handling that of linear.py's Fp8LinearFunction.
 """
 
 from __future__ import annotations
@@ -36,13 +36,12 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
-from ..gemm.per_tensor import column_major
+from ..gemm.per_tensor import column_major, fp8_dgrad_wgrad, fp8_fprop
 from ..recipe import Recipe
 from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, quantize_per_tensor,
                        quantize_rows_per_group, scale_invs, tensor_amax)
 from .grouped_linear import GroupedLinearLowering, grouped_dgrad_wgrad, grouped_fprop
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["ACTIVATIONS", "ActivationLinearSpec", "ActivationLinearLowering", "ActFp8LinearFunction",
            "ActivationGroupedLinearLowering", "ActFp8GroupedLinearFunction", "activation"]
@@ -130,7 +129,7 @@ class ActivationLinearSpec:
 class ActFp8LinearFunction(torch.autograd.Function):
     """h [M, K] (u [M, K] for swiglu) -> y [M, N] = quantize(act(h, u)) @ quantize(w_nk).T.
 
-    carrier, x_scale, w_scale, g_scale: DelayedScaling's (see linear_paths/per_tensor.py's Fp8LinearFunction), None
+    carrier, x_scale, w_scale, g_scale: DelayedScaling's (see linear.py's Fp8LinearFunction), None
     under current scaling."""
 
     @staticmethod

@@ -22,7 +22,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import column_major
+from ..gemm.per_tensor import column_major, fp8_dgrad_wgrad, fp8_fprop
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
 from .attention import (
     AttentionLowering,
@@ -31,7 +31,6 @@ from .attention import (
     split_fp8_inputs,
 )
 from .linear import LinearLowering
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["AttentionProjectionSpec", "AttentionProjectionLowering", "AttentionProjectionFunction"]
 

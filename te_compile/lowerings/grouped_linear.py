@@ -141,7 +141,7 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
 
 class BlockGroupedLinearFunction(torch.autograd.Function):
     """The block-scaled formats per expert (MXFP8, Float8 block, NVFP4) through quantizer objects, as
-    the dense linears' linear_paths/quantizer.py. x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
+    the dense linears' ``QuantizedLinearFunction`` (linear.py). x: [M, K], w_ekn: [E, K, N], offs: int32 [E].
 
     x and grad_output are quantized rowwise whole: their blocks run along K / N, inside one row, so
     inside one expert. Each expert's weight is quantized alone (Float8 block's 128x128 tiles, NVFP4's

@@ -67,13 +67,13 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..distributed import is_dtensor, reduce_amaxes
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import column_major, fp8_gemm, operand_a
+from ..gemm.per_tensor import column_major, fp8_gemm, operand_a, quantize_weight
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import weight_is_operand
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, current_scale, fp8_max, quantize_per_tensor, tensor_amax
-from .linear_paths.per_tensor import casts_weight_itself, quantize_weight, weight_in_input_dtype
+from .linear import casts_weight_itself, weight_in_input_dtype
 from .vocab_parallel import VocabShard, combine_row_stats, plan_vocab_parallel
 
 __all__ = ["LinearCrossEntropySpec", "LinearCrossEntropyLowering", "LinearCrossEntropyFunction", "chunk_rows",

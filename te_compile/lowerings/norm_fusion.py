@@ -7,7 +7,7 @@ forward GEMM reads the same bytes; the high-precision output exists only when so
 the fused linears reads it (``spec.emit_hp``). Backward sums the consumers' dgrads in fp32 (plus the
 gradient of the high-precision output) and runs the norm's backward on the sum. Saved for backward:
 the norm input, mean and rstd [M] (fp32), the norm weight and the transposed FP8 operand; per
-consumer what linear_paths/per_tensor.py saves for its weight.
+consumer what the per-tensor linear (lowerings/linear.py) saves for its weight.
 
 Per-tensor recipes only (current and delayed scaling). The quantized operand is what te's unfused
 path would quantize: the norm output, then the dtype casts between it and the linears
@@ -27,11 +27,11 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
+from ..gemm.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..recipe import Recipe
 from ..scaling import current_scale, scale_invs
-from .linear_paths.per_tensor import fp8_dgrad_wgrad, fp8_fprop
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
@@ -61,7 +61,7 @@ class NormFp8LinearsFunction(torch.autograd.Function):
 
     ``flat``: per consumer ``_PER_CONSUMER`` entries: weight [N_i, K] (already [out, in]), then
     delayed scaling's carrier and input / weight / grad_output scales (None under current scaling;
-    see linear_paths/per_tensor.py's Fp8LinearFunction, whose GEMMs and numerics these are).
+    see linear.py's Fp8LinearFunction, whose GEMMs and numerics these are).
     """
 
     @staticmethod

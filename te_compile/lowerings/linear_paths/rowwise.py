@@ -13,10 +13,10 @@ from __future__ import annotations
 
 import torch
 
+from ...gemm.per_tensor import quantize_weight
 from ...gemm.rowwise import fp8_gemm_rowwise
 from ...recipe import Recipe
 from ...scaling import cast_to_fp8, current_scale
-from .per_tensor import quantize_weight
 
 __all__ = ["rowwise_fp8_linear"]
 
