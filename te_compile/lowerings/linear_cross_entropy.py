@@ -234,28 +234,9 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
             w_nk = weight_in_input_dtype(w_nk, x2d.dtype, recipe)
         x_sinv = w_sinv = x_amax = w_amax = mean = rstd = None
         operands = (x2d, w_nk)
-        if spec.norm is not None:   # the norm kernels write the layer's FP8 input
-            mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, spec.norm)
-            if x_scale is None:
-                x_scale = current_scale(x_amax, "input", recipe)
-            xq = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, spec.norm,
-                               recipe.fp8_format.dtype_for("input"))[0]
-            x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
-        elif recipe is not None:
-            # the unfused layer quantizes all of its input's rows, the sliced-off ones too (the causal
-            # shift's last position): its amax, so the kept rows get the unfused bytes and scale
-            x_amax = tensor_amax(x_full) if x_full is not None else None
-            xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
         if recipe is not None:
-            if shard is not None and w_scale is None and not weight_is_operand(w_nk, recipe):
-                # a shard's rows: the whole weight's amax, so each rank holds one process's bytes
-                [w_amax] = reduce_amaxes([tensor_amax(w_nk)], [(shard.group,)])
-            wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
-            # row-major [V, K] with the layout forced, so inductor writes it once as a buffer that every
-            # chunk's GEMM reads (0.5 GB at Llama 3's head); a bare contiguous() of a node no output
-            # holds is inlined into one copy per reading GEMM
-            wq = column_major(wq.t(), shared=True).t()
-            operands = (xq, wq)
+            operands, x_sinv, w_sinv, x_amax, w_amax, mean, rstd = _fp8_operands(
+                x2d, w_nk, norm_w, norm_b, spec, shard, x_full, x_scale, w_scale)
         valid = labels != spec.ignore_index
         n_valid = valid.sum()
         g_sinv = None
@@ -367,6 +348,34 @@ class LinearCrossEntropyFunction(torch.autograd.Function):
         if "xw_amax" in saved and ctx.needs_input_grad[11]:
             carrier_grad = torch.cat([saved["xw_amax"], saved["g_amax"]])
         return dx, dw, db, None, dnw, dnb, None, None, None, None, None, carrier_grad, None, None, None
+
+
+def _fp8_operands(x2d, w_nk, norm_w, norm_b, spec, shard, x_full, x_scale, w_scale):
+    """The layer's FP8 operands for an FP8 recipe: ((xq [M, K], wq [V, K]), x_sinv, w_sinv, x_amax,
+    w_amax, mean, rstd), the norm's statistics None without a fused norm."""
+    recipe = spec.recipe
+    mean = rstd = w_amax = None
+    if spec.norm is not None:   # the norm kernels write the layer's FP8 input
+        mean, rstd, x_amax = norm_stats(x2d, norm_w, norm_b, spec.norm)
+        if x_scale is None:
+            x_scale = current_scale(x_amax, "input", recipe)
+        xq = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, spec.norm,
+                           recipe.fp8_format.dtype_for("input"))[0]
+        x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
+    else:
+        # the unfused layer quantizes all of its input's rows, the sliced-off ones too (the causal
+        # shift's last position): its amax, so the kept rows get the unfused bytes and scale
+        x_amax = tensor_amax(x_full) if x_full is not None else None
+        xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax)
+    if shard is not None and w_scale is None and not weight_is_operand(w_nk, recipe):
+        # a shard's rows: the whole weight's amax, so each rank holds one process's bytes
+        [w_amax] = reduce_amaxes([tensor_amax(w_nk)], [(shard.group,)])
+    wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax)
+    # row-major [V, K] with the layout forced, so inductor writes it once as a buffer that every
+    # chunk's GEMM reads (0.5 GB at Llama 3's head); a bare contiguous() of a node no output
+    # holds is inlined into one copy per reading GEMM
+    wq = column_major(wq.t(), shared=True).t()
+    return (xq, wq), x_sinv, w_sinv, x_amax, w_amax, mean, rstd
 
 
 def _dgrad(g, w, wq_cm, g_sinv, w_sinv, out_dtype) -> torch.Tensor:
