@@ -62,6 +62,69 @@ def test_emulation_gives_scaled_mm_bits_eager_and_compiled(case, b_row_major):
 
 
 @needs_emulation
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16])
+def test_the_emulation_adds_a_bias_as_scaled_mm_does(out_dtype):
+    # _scaled_mm adds the bias to the fp32 product before its one rounding: not the rounded product
+    # plus the bias, which rounds twice
+    a, b, sa, sb = _operands(CASES[3], False)
+    bias = (torch.randn(b.shape[1], generator=torch.Generator().manual_seed(1)) * 5).to(out_dtype)
+    expect = torch._scaled_mm(a, b, scale_a=sa.reshape(()), scale_b=sb.reshape(()), bias=bias, out_dtype=out_dtype)
+    assert not torch.equal(expect, _scaled_mm(a, b, sa, sb, out_dtype) + bias)   # the case tells them apart
+    assert_bitwise_equal(gemm.fp8_gemm(a, b, sa, sb, out_dtype, bias=bias), expect, "eager")
+    torch._dynamo.reset()
+    compiled = torch.compile(gemm.fp8_gemm, dynamic=False)
+    assert_bitwise_equal(compiled(a, b, sa, sb, out_dtype, bias=bias), expect, "inductor")
+    assert gemm.adds_bias(bias, out_dtype) and not gemm.adds_bias(bias.float(), torch.float32)
+    assert not gemm.adds_bias(bias, torch.float32) and not gemm.adds_bias(bias[None], out_dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_linear_adds_its_bias_in_the_forward_gemm_where_the_output_is_bf16(monkeypatch, dtype):
+    # torch._scaled_mm as a GPU runs it: a bf16 linear's bias goes into the forward GEMM's epilogue
+    # (no pass over the output to add it), its gradient the rows of grad_y summed; an fp32 output
+    # keeps the separate add (_scaled_mm takes no fp32 bias)
+    import te_compile
+
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("bias"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(gemm, "cpu_emulates_scaled_mm", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch._dynamo.reset()
+    layer = torch.nn.Linear(64, 32).to(dtype)
+    x = torch.randn(2, 8, 64, dtype=dtype, requires_grad=True)
+    grad = torch.randn(2, 8, 32, dtype=dtype)
+    compiled = torch.compile(layer, backend=te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager"))
+    y = compiled(x)
+    y.backward(grad)
+    torch._dynamo.reset()
+    fprop = calls[0]
+    if dtype == torch.bfloat16:
+        assert fprop is not None and fprop.shape == (32,) and fprop.dtype == dtype, fprop
+    else:
+        assert fprop is None
+    assert all(b is None for b in calls[-2:]), calls   # dgrad and wgrad take none
+    assert_bitwise_equal(layer.bias.grad, grad.reshape(-1, 32).sum(0), "bias grad")
+    # the output is the FP8 product plus the bias, rounded once (bf16) as _scaled_mm rounds it
+    layer.bias.grad = None
+    monkeypatch.undo()
+    plain = te_compile.recipe.Float8CurrentScaling()
+    from te_compile.distributed import NO_GROUPS
+    from te_compile.lowerings.linear import Fp8LinearFunction
+
+    x2d = x.detach().reshape(-1, 64)
+    with_bias = Fp8LinearFunction.apply(x2d, layer.weight.detach(), plain, NO_GROUPS, None, None, None, None,
+                                        layer.bias.detach() if dtype == torch.bfloat16 else None)
+    if dtype == torch.float32:
+        with_bias = with_bias + layer.bias.detach()
+    assert_bitwise_equal(y.detach().reshape(-1, 32), with_bias, "output")
+
+
+@needs_emulation
 def test_the_emulation_copies_no_operand_it_lays_out_itself():
     """A per-tensor linear's graphs on the CPU: the emulated GEMM makes its fp32 upcasts row-major, so
     dgrad's weight operand gets no column-major FP8 copy first, and only an upcast that is not already
@@ -93,7 +156,8 @@ def test_the_emulation_copies_no_operand_it_lays_out_itself():
 def test_a_mismatch_keeps_scaled_mm(monkeypatch):
     """Where the emulation's bits would differ on some machine, the check says so and fp8_gemm calls
     _scaled_mm."""
-    monkeypatch.setattr(gemm, "_emulated", lambda a, b, sa, sb, out_dtype: _scaled_mm(a, b, sa, sb, out_dtype) + 1)
+    monkeypatch.setattr(gemm, "_emulated",
+                        lambda a, b, sa, sb, out_dtype, bias=None: _scaled_mm(a, b, sa, sb, out_dtype) + 1)
     gemm._check_cpu_emulation.cache_clear()
     try:
         assert not gemm.cpu_emulates_scaled_mm()

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,9 @@ from ..quantization import weight_is_operand
 from ..scaling import quantize_per_tensor, tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["fp8_gemm", "scaled_mm", "fp8_fprop", "fp8_dgrad_wgrad", "quantize_weight", "column_major", "operand_a",
-           "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm", "fp8_gemm_kind",
-           "CUDA_ALIGN"]
+__all__ = ["fp8_gemm", "scaled_mm", "adds_bias", "fp8_fprop", "fp8_dgrad_wgrad", "quantize_weight", "column_major",
+           "operand_a", "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm",
+           "fp8_gemm_kind", "CUDA_ALIGN"]
 
 log = logging.getLogger(__name__)
 
@@ -102,15 +103,26 @@ def operand_b(t: torch.Tensor, shared: bool = False) -> torch.Tensor:
     return t if emulates_fp8_gemm(t.device) else column_major(t, shared)
 
 
-def _emulated(a, b, sa, sb, out_dtype) -> torch.Tensor:
-    """(a * sa) @ (b * sb) in fp32, then ``out_dtype``: CPU _scaled_mm's operations (its fallback
-    without AMX makes both operands row-major first, so the fp32 matmul sees the same layouts). Autocast
-    is off around it: a backward that AOTAutograd traces under the caller's autocast would otherwise
-    run the matmul on bf16 copies of the fp32 operands, which torch._scaled_mm never does."""
+def _emulated(a, b, sa, sb, out_dtype, bias=None) -> torch.Tensor:
+    """(a * sa) @ (b * sb) (+ bias) in fp32, then ``out_dtype``: CPU _scaled_mm's operations (its
+    fallback without AMX makes both operands row-major first, so the fp32 matmul sees the same layouts).
+    Autocast is off around it: a backward that AOTAutograd traces under the caller's autocast would
+    otherwise run the matmul on bf16 copies of the fp32 operands, which torch._scaled_mm never does."""
     with torch.autocast(a.device.type, enabled=False):
         a32 = _row_major(a.to(torch.float32) * sa)
         b32 = _row_major(b.to(torch.float32) * sb)
-        return (a32 @ b32).to(out_dtype)
+        y = a32 @ b32
+        return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype)
+
+
+def adds_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
+    """Whether ``fp8_gemm`` takes ``bias`` into its epilogue for an ``out_dtype`` output: a 1-D bias
+    in that dtype, bf16 or fp16 (torch._scaled_mm's bias rule on CUDA). The GEMM then adds it in fp32
+    before its one rounding, and no kernel reads and writes the [M, N] output again to add it (0.2 GB
+    at a 4096-token qkv projection in bf16). An fp32 output keeps the separate add, on the CPU too,
+    so that both round the same way."""
+    return (bias is not None and bias.dim() == 1 and bias.dtype == out_dtype
+            and out_dtype in (torch.bfloat16, torch.float16))
 
 
 @torch._dynamo.disable
@@ -125,17 +137,19 @@ def cpu_emulates_scaled_mm() -> bool:
 @functools.lru_cache(maxsize=None)
 def _check_cpu_emulation() -> bool:
     gen = torch.Generator().manual_seed(0)
-    cases = ((torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (37, 64, 48)),
-             (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (8, 256, 8)),
-             (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, (64, 96, 33)),
-             (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32, (48, 129, 80)))
+    cases = ((torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (37, 64, 48), False),
+             (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.float32, (8, 256, 8), False),
+             (torch.float8_e5m2, torch.float8_e4m3fn, torch.bfloat16, (64, 96, 33), False),
+             (torch.float8_e4m3fn, torch.float8_e4m3fn, torch.bfloat16, (40, 96, 48), True),
+             (torch.float8_e5m2, torch.float8_e4m3fn, torch.float32, (48, 129, 80), False))
     try:
-        for a_dtype, b_dtype, out_dtype, (m, k, n) in cases:
+        for a_dtype, b_dtype, out_dtype, (m, k, n), with_bias in cases:
             a = (torch.randn(m, k, generator=gen) * 16).to(a_dtype)
             b = (torch.randn(n, k, generator=gen) * 16).to(b_dtype).t()
             sa, sb = torch.rand((), generator=gen) + 0.1, torch.rand((), generator=gen) * 3 + 0.1
-            native = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype)
-            if not torch.equal(native, _emulated(a, b, sa, sb, out_dtype)):
+            bias = (torch.randn(n, generator=gen) * 5).to(out_dtype) if with_bias else None
+            native = torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype)
+            if not torch.equal(native, _emulated(a, b, sa, sb, out_dtype, bias)):
                 log.info("te_compile: CPU torch._scaled_mm differs from its torch-op emulation here; keeping it")
                 return False
     except (RuntimeError, NotImplementedError) as err:   # no CPU _scaled_mm in this build
@@ -174,8 +188,9 @@ def fp8_gemm(
     b_scale_inv: torch.Tensor,  # fp32 [1]
     out_dtype: torch.dtype,
     fast_accum: bool = False,
+    bias: Optional[torch.Tensor] = None,   # [N] in out_dtype, where ``adds_bias`` allows it
 ) -> torch.Tensor:
-    """(a * a_scale_inv) @ (b * b_scale_inv) with fp32 accumulation, as ``out_dtype`` [M, N];
+    """(a * a_scale_inv) @ (b * b_scale_inv) (+ bias) with fp32 accumulation, as ``out_dtype`` [M, N];
     ``fast_accum``: torch._scaled_mm's ``use_fast_accum`` on CUDA (the emulation accumulates in fp32).
 
     Inductor's _scaled_mm lowering needs exactly these layouts (a row-major, b column-major), on CPU
@@ -185,12 +200,12 @@ def fp8_gemm(
     if emulates_fp8_gemm(a.device):
         # the [1] scales broadcast as they are: no reshape nodes (3 GEMMs a site, each node is
         # traced, partitioned and lowered at every compile)
-        return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype)   # the module docstring says why on CPU
-    return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, fast_accum)
+        return _emulated(a, b, a_scale_inv, b_scale_inv, out_dtype, bias)   # the module docstring says why on CPU
+    return scaled_mm(a, b, a_scale_inv, b_scale_inv, out_dtype, fast_accum, bias)
 
 
 def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_scale_inv: torch.Tensor,
-              out_dtype: torch.dtype, fast_accum: bool = False) -> torch.Tensor:
+              out_dtype: torch.dtype, fast_accum: bool = False, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``fp8_gemm`` as ``torch._scaled_mm`` always, the CPU included: the op inductor's micro-pipeline
     TP pass looks for (async tensor parallelism, lowerings/linear_paths/async_tp.py)."""
     sa = a_scale_inv.reshape(())
@@ -203,7 +218,7 @@ def scaled_mm(a: torch.Tensor, b: torch.Tensor, a_scale_inv: torch.Tensor, b_sca
         if pad:
             a = F.pad(a.view(torch.uint8), (0, pad)).view(a.dtype)
             b = F.pad(b.t().view(torch.uint8), (0, pad)).view(b.dtype).t()
-    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=out_dtype, use_fast_accum=fast_accum)
+    return torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, bias=bias, out_dtype=out_dtype, use_fast_accum=fast_accum)
 
 
 # ---- a per-tensor linear's GEMMs --------------------------------------------------------------------
@@ -233,16 +248,17 @@ def quantize_weight(w_nk, recipe, scale=None, amax=None, scale_inv=None):
     return quantize_per_tensor(w_nk, "weight", recipe, scale, amax, scale_inv=scale_inv)
 
 
-def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype, w_sinv=None):
+def fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale=None, w_amax=None, *, out_dtype, w_sinv=None, bias=None):
     """The forward GEMM of a per-tensor site, its FP8 input made by the caller (from x, a norm, an
-    activation or an attention output): y [M, N] = xq [M, K] @ quantize(w_nk [N, K]).T.
+    activation or an attention output): y [M, N] = xq [M, K] @ quantize(w_nk [N, K]).T (+ bias [N],
+    in the GEMM's epilogue: the caller checked ``adds_bias``).
 
     Returns (y, wq [N, K] contiguous: saved for dgrad, w's scale_inv [1], w's amax [1]). w_scale /
     w_amax / w_sinv: see ``quantize_weight``."""
     wq, w_sinv, w_amax = quantize_weight(w_nk, recipe, w_scale, w_amax, w_sinv)
     wq = wq.contiguous()
     y = fp8_gemm(operand_a(xq), wq.t(), x_sinv, w_sinv, out_dtype=out_dtype,
-                 fast_accum=recipe.fast_accumulation("fprop"))
+                 fast_accum=recipe.fast_accumulation("fprop"), bias=bias)
     return y, wq, w_sinv, w_amax
 
 

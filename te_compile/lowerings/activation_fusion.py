@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
-from ..gemm.per_tensor import column_major, fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop
 from ..recipe import Recipe
 from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, quantize_per_tensor,
                        quantize_rows_per_group, scale_invs, tensor_amax)
@@ -130,10 +130,10 @@ class ActFp8LinearFunction(torch.autograd.Function):
     """h [M, K] (u [M, K] for swiglu) -> y [M, N] = quantize(act(h, u)) @ quantize(w_nk).T.
 
     carrier, x_scale, w_scale, g_scale: DelayedScaling's (see linear.py's Fp8LinearFunction), None
-    under current scaling."""
+    under current scaling. bias [N]: added in the GEMM's epilogue (``adds_bias``), else None."""
 
     @staticmethod
-    def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale):
+    def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale, bias=None):
         recipe = spec.recipe
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
         x_amax = tensor_amax(a)
@@ -142,7 +142,8 @@ class ActFp8LinearFunction(torch.autograd.Function):
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
         xq, x_sinv, x_amax = quantize_per_tensor(a, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
-        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype, w_sinv=w_sinv)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=a.dtype, w_sinv=w_sinv,
+                                          bias=bias)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
         ctx.has_g_scale = g_scale is not None
@@ -173,7 +174,8 @@ class ActFp8LinearFunction(torch.autograd.Function):
             dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return None, dh, du, dw, carrier_grad, None, None, None
+        db = grad_y.sum(0) if ctx.needs_input_grad[8] else None
+        return None, dh, du, dw, carrier_grad, None, None, None, db
 
 
 def _cast(a: torch.Tensor, casts) -> torch.Tensor:
@@ -202,10 +204,11 @@ class ActivationLinearLowering:
             return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         k = h.shape[-1]
+        in_gemm = adds_bias(bias, self.spec.casts[-1] if self.spec.casts else h.dtype)   # y's dtype
         y = ActFp8LinearFunction.apply(self.spec, h.reshape(-1, k), None if u is None else u.reshape(-1, k), w_nk,
-                                       *(delayed or (None,) * 4))
+                                       *(delayed or (None,) * 4), bias if in_gemm else None)
         y = y.reshape(*shape.shape[:-1], y.shape[-1])
-        return y if bias is None else y + bias
+        return y if bias is None or in_gemm else y + bias
 
     def __repr__(self) -> str:
         return f"ActivationLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

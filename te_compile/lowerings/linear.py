@@ -31,7 +31,7 @@ from ..autocast import autocast_dtype
 from ..distributed import NO_GROUPS, AmaxGroup, is_dtensor, reduce_amaxes
 from ..fx.cache_names import name_lowering
 from ..gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
-from ..gemm.per_tensor import column_major, fp8_dgrad_wgrad, fp8_fprop, fp8_gemm_kind
+from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, fp8_gemm_kind
 from ..quantization import quantize_copies, quantizer_factory, weight_is_operand
 from ..recipe import GEMM_ROLES, Recipe
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
@@ -138,14 +138,21 @@ class LinearLowering:
             y = (async_tp_column(x, [w_nk], self.spec.recipe, form, delayed)[0] if form.kind == "column"
                  else async_tp_row(x, w_nk, self.spec.recipe, form, delayed))
         elif plan is None:
+            if self._bias_in_gemm(x, bias):   # the GEMM's epilogue adds it
+                return self._local(x, w_nk, delayed, self.spec.amax_groups, bias)
             y = self._local(x, w_nk, delayed, self.spec.amax_groups)
         else:
             y = sharded_linear(lambda x_, w_, groups: self._local(x_, w_, delayed, groups), x, w_nk, plan,
                                self.spec.amax_groups)
         return y if bias is None else y + bias
 
-    def _local(self, x, w_nk, delayed, groups) -> torch.Tensor:
-        """x [..., K] @ w_nk.T -> [..., N] on plain tensors."""
+    def _bias_in_gemm(self, x, bias) -> bool:
+        """Does the per-tensor Function add ``bias`` in its forward GEMM's epilogue (``adds_bias``)?"""
+        spec = self.spec
+        return spec.recipe.per_tensor and not spec.rowwise and adds_bias(bias, x.dtype)
+
+    def _local(self, x, w_nk, delayed, groups, bias=None) -> torch.Tensor:
+        """x [..., K] @ w_nk.T (+ bias, only where ``_bias_in_gemm``) -> [..., N] on plain tensors."""
         x2d = x.reshape(-1, x.shape[-1])
         if not self.spec.recipe.per_tensor:
             y = QuantizedLinearFunction.apply(x2d, w_nk, quantizer_factory(self.spec.recipe), self.spec.native_gemm,
@@ -154,7 +161,7 @@ class LinearLowering:
             y = rowwise_fp8_linear(x2d, w_nk, self.spec.recipe, delayed[2] if delayed else None)
         else:
             # current scaling: no carrier and no scales
-            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, groups, *(delayed or (None,) * 4))
+            y = Fp8LinearFunction.apply(x2d, w_nk, self.spec.recipe, groups, *(delayed or (None,) * 4), bias)
         return y.reshape(*x.shape[:-1], w_nk.shape[0])
 
     def __repr__(self) -> str:
@@ -193,10 +200,13 @@ class Fp8LinearFunction(torch.autograd.Function):
     only, and, when a backward follows, ``carrier``: the backward returns this call's amaxes
     [input, weight, grad_output] as the carrier's gradient, and delayed_state.py folds them into the
     state once every site's backward has run. Current scaling passes None for all four.
+
+    ``bias`` [N]: added in the forward GEMM's epilogue (``adds_bias`` said yes), its gradient the sum
+    of grad_y's rows; None where the lowering adds a bias itself.
     """
 
     @staticmethod
-    def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale):
+    def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale, bias=None):
         w_dtype = w_nk.dtype
         w_nk = weight_in_input_dtype(w_nk, x2d.dtype, recipe)
         x_amax = tensor_amax(x2d)
@@ -211,7 +221,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         xq, x_sinv, x_amax = quantize_per_tensor(x2d, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, w_amax, out_dtype=x2d.dtype,
-                                          w_sinv=w_sinv)
+                                          w_sinv=w_sinv, bias=bias)
         ctx.recipe = recipe
         ctx.g_groups = groups[2]
         ctx.dtypes = (x2d.dtype, w_dtype)
@@ -237,7 +247,8 @@ class Fp8LinearFunction(torch.autograd.Function):
         carrier_grad = None
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        return dx, dw, None, None, carrier_grad, None, None, None
+        db = grad_y.sum(0) if ctx.needs_input_grad[8] else None
+        return dx, dw, None, None, carrier_grad, None, None, None, db
 
 
 # ---- the quantizer path (block-scaled recipes, CustomRecipe) -------------------------------------

@@ -27,7 +27,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import adds_bias, fp8_dgrad_wgrad, fp8_fprop
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..recipe import Recipe
@@ -35,7 +35,7 @@ from ..scaling import current_scale, scale_invs
 
 __all__ = ["NormLinearsSpec", "NormLinearsLowering", "NormFp8LinearsFunction"]
 
-_PER_CONSUMER = 5   # w, carrier, x_scale, w_scale, g_scale
+_PER_CONSUMER = 6   # w, carrier, x_scale, w_scale, g_scale, bias
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,8 @@ class NormFp8LinearsFunction(torch.autograd.Function):
 
     ``flat``: per consumer ``_PER_CONSUMER`` entries: weight [N_i, K] (already [out, in]), then
     delayed scaling's carrier and input / weight / grad_output scales (None under current scaling;
-    see linear.py's Fp8LinearFunction, whose GEMMs and numerics these are).
+    see linear.py's Fp8LinearFunction, whose GEMMs and numerics these are), then the bias [N_i] the
+    forward GEMM's epilogue adds (``adds_bias``; None where the lowering adds it after).
     """
 
     @staticmethod
@@ -79,8 +80,9 @@ class NormFp8LinearsFunction(torch.autograd.Function):
             x_sinv = torch.div(torch.ones_like(x_scale), x_scale)
         xq, xq_t = norm_quantize(x2d, norm_w, norm_b, mean, rstd, x_scale, qspec, fp8)
         outputs, saved_w, g_scales = [], [], []
-        for (w_nk, _, _, w_scale, g_scale), w_sinv in zip(consumers, w_sinvs):
-            y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=in_dtype, w_sinv=w_sinv)
+        for (w_nk, _, _, w_scale, g_scale, bias), w_sinv in zip(consumers, w_sinvs):
+            y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=in_dtype, w_sinv=w_sinv,
+                                              bias=bias)
             outputs.append(y)
             saved_w += [wq, w_sinv, w_amax]
             g_scales.append(g_scale)
@@ -115,7 +117,8 @@ class NormFp8LinearsFunction(torch.autograd.Function):
                                                 dx_dtype=torch.float32, dw_dtype=ctx.dtypes[i], g_scale=g_scale)
             dh = dgrad if dh is None else dh + dgrad
             carrier_grad = torch.cat([x_amax, w_amax, g_amax]) if need[base + 1] else None
-            flat_grads += [dw, carrier_grad, None, None, None]
+            db = grads[i].sum(0) if need[base + 5] else None
+            flat_grads += [dw, carrier_grad, None, None, None, db]
         dx, dnw, dnb = norm_backward(dh, x2d, norm_w, mean, rstd, spec.norm)
         has_w, has_b = ctx.has_norm
         return (None, dx if need[1] else None, dnw if has_w and need[2] else None,
@@ -146,14 +149,15 @@ class NormLinearsLowering:
             return self._unfused(x, norm_w, norm_b, shapes, consumers)
         spec = self.spec
         x2d = x.reshape(-1, x.shape[-1])
-        flat = []
-        for (w, _bias, *delayed), in_out in zip(consumers, spec.weight_in_out):
-            flat += [w.t() if in_out else w, *(delayed or (None,) * 4)]
+        flat, added = [], []   # added: the biases the GEMMs' epilogues take (``adds_bias``)
+        for (w, bias, *delayed), in_out in zip(consumers, spec.weight_in_out):
+            added.append(adds_bias(bias, spec.quantized.out_dtype))
+            flat += [w.t() if in_out else w, *(delayed or (None,) * 4), bias if added[-1] else None]
         outs = NormFp8LinearsFunction.apply(spec, x2d, norm_w, norm_b, *flat)
         ys = []
-        for y, shape, (_w, bias, *_) in zip(outs, shapes, consumers):
+        for y, shape, (_w, bias, *_), in_gemm in zip(outs, shapes, consumers, added):
             y = y.reshape(*shape.shape[:-1], y.shape[-1])
-            ys.append(y if bias is None else y + bias)
+            ys.append(y if bias is None or in_gemm else y + bias)
         if spec.emit_hp:
             ys.append(outs[-1].reshape(x.shape))
         return tuple(ys)
