@@ -14,7 +14,8 @@ The per-tensor path quantizes x and w (te_compile.scaling's ``quantize_per_tenso
 three GEMMs of gemm/per_tensor.py (``fp8_fprop``, ``fp8_dgrad_wgrad``; torch._scaled_mm), while
 inductor fuses the amax / scale / cast ops into neighbouring kernels. Only the FP8 copies of x and w
 are saved for backward (1 byte per element instead of 2 or 4); bias and its gradient stay in high
-precision. On shards of tensors split across ranks by hand (sharded.py) current scaling all-reduces
+precision (a bf16 or fp16 bias of the output's dtype is added in the forward GEMM's epilogue,
+``adds_bias``). On shards of tensors split across ranks by hand (sharded.py) current scaling all-reduces
 the amaxes of the sharded operands (MAX) before computing their scales: x and w in one buffer in
 forward, g in backward; ``groups`` names the groups per role and is empty in one process.
 """
@@ -40,8 +41,8 @@ from .linear_paths.async_tp import AsyncTp, async_tp_column, async_tp_row
 from .linear_paths.rowwise import rowwise_fp8_linear
 from .linear_paths.sharded import plan_linear_sharding, sharded_linear
 
-__all__ = ["LinearSpec", "LinearLowering", "Fp8LinearFunction", "QuantizedLinearFunction", "gemm_kind", "casts_weight_itself",
-           "weight_in_input_dtype"]
+__all__ = ["LinearSpec", "LinearLowering", "Fp8LinearFunction", "QuantizedLinearFunction", "gemm_kind",
+           "casts_weight_itself", "weight_in_input_dtype"]
 
 
 @dataclass(frozen=True)
