@@ -74,8 +74,10 @@ def test_the_emulation_adds_a_bias_as_scaled_mm_does(out_dtype):
     torch._dynamo.reset()
     compiled = torch.compile(gemm.fp8_gemm, dynamic=False)
     assert_bitwise_equal(compiled(a, b, sa, sb, out_dtype, bias=bias), expect, "inductor")
-    assert gemm.adds_bias(bias, out_dtype) and not gemm.adds_bias(bias.float(), torch.float32)
-    assert not gemm.adds_bias(bias, torch.float32) and not gemm.adds_bias(bias[None], out_dtype)
+    n = b.shape[1]
+    assert gemm.adds_bias(bias, out_dtype, n) and not gemm.adds_bias(bias.float(), torch.float32, n)
+    assert not gemm.adds_bias(bias, torch.float32, n) and not gemm.adds_bias(bias[None], out_dtype, n)
+    assert not gemm.adds_bias(bias[:1], out_dtype, n)   # an addend that broadcasts: added after the GEMM
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -122,6 +124,40 @@ def test_a_linear_adds_its_bias_in_the_forward_gemm_where_the_output_is_bf16(mon
     if dtype == torch.float32:
         with_bias = with_bias + layer.bias.detach()
     assert_bitwise_equal(y.detach().reshape(-1, 32), with_bias, "output")
+
+
+def test_an_addend_that_only_broadcasts_is_added_after_the_gemm(monkeypatch):
+    # addmm's addend may be any tensor that broadcasts to y: _scaled_mm takes only an [N] bias, so a
+    # [1] addend stays a separate add (a GPU's _scaled_mm would refuse it)
+    import te_compile
+
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("bias"))
+        return real(*args, **kwargs)
+
+    class Conv1D(torch.nn.Module):   # HF's Conv1D: weight [in, out], addmm
+        def __init__(self):
+            super().__init__()
+            self.weight = torch.nn.Parameter(torch.randn(64, 32, dtype=torch.bfloat16))
+            self.addend = torch.nn.Parameter(torch.randn(1, dtype=torch.bfloat16))
+
+        def forward(self, x):
+            return torch.addmm(self.addend, x, self.weight)
+
+    monkeypatch.setattr(gemm, "cpu_emulates_scaled_mm", lambda: False)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    torch._dynamo.reset()
+    layer = Conv1D()
+    x = torch.randn(16, 64, dtype=torch.bfloat16, requires_grad=True)
+    compiled = torch.compile(layer, backend=te_compile.backend(recipe="Float8CurrentScaling", compiler="aot_eager"))
+    y = compiled(x)
+    y.float().sum().backward()
+    torch._dynamo.reset()
+    assert calls and all(b is None for b in calls), calls
+    assert layer.addend.grad is not None and layer.addend.grad.shape == (1,)
 
 
 @needs_emulation

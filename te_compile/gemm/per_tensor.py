@@ -115,13 +115,14 @@ def _emulated(a, b, sa, sb, out_dtype, bias=None) -> torch.Tensor:
         return (y if bias is None else y + bias.to(torch.float32)).to(out_dtype)
 
 
-def adds_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype) -> bool:
-    """Whether ``fp8_gemm`` takes ``bias`` into its epilogue for an ``out_dtype`` output: a 1-D bias
-    in that dtype, bf16 or fp16 (torch._scaled_mm's bias rule on CUDA). The GEMM then adds it in fp32
+def adds_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype, n: int) -> bool:
+    """Whether ``fp8_gemm`` takes ``bias`` into its epilogue for an ``out_dtype`` output [M, ``n``]: a
+    bias of shape [n] in that dtype, bf16 or fp16 (torch._scaled_mm's bias rule on CUDA; an addend
+    that only broadcasts, such as addmm's [1], is added after). The GEMM then adds it in fp32
     before its one rounding, and no kernel reads and writes the [M, N] output again to add it (0.2 GB
     at a 4096-token qkv projection in bf16). An fp32 output keeps the separate add, on the CPU too,
     so that both round the same way."""
-    return (bias is not None and bias.dim() == 1 and bias.dtype == out_dtype
+    return (bias is not None and tuple(bias.shape) == (n,) and bias.dtype == out_dtype
             and out_dtype in (torch.bfloat16, torch.float16))
 
 

@@ -204,7 +204,7 @@ class ActivationLinearLowering:
             return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         k = h.shape[-1]
-        in_gemm = adds_bias(bias, self.spec.casts[-1] if self.spec.casts else h.dtype)   # y's dtype
+        in_gemm = adds_bias(bias, self.spec.casts[-1] if self.spec.casts else h.dtype, w_nk.shape[0])   # y's dtype
         y = ActFp8LinearFunction.apply(self.spec, h.reshape(-1, k), None if u is None else u.reshape(-1, k), w_nk,
                                        *(delayed or (None,) * 4), bias if in_gemm else None)
         y = y.reshape(*shape.shape[:-1], y.shape[-1])

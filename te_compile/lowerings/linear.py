@@ -15,9 +15,9 @@ three GEMMs of gemm/per_tensor.py (``fp8_fprop``, ``fp8_dgrad_wgrad``; torch._sc
 inductor fuses the amax / scale / cast ops into neighbouring kernels. Only the FP8 copies of x and w
 are saved for backward (1 byte per element instead of 2 or 4); bias and its gradient stay in high
 precision (a bf16 or fp16 bias of the output's dtype is added in the forward GEMM's epilogue,
-``adds_bias``). On shards of tensors split across ranks by hand (sharded.py) current scaling all-reduces
-the amaxes of the sharded operands (MAX) before computing their scales: x and w in one buffer in
-forward, g in backward; ``groups`` names the groups per role and is empty in one process.
+``adds_bias``). On shards of tensors split across ranks by hand (sharded.py) current scaling
+all-reduces the amaxes of the sharded operands (MAX) before computing their scales: x and w in one
+buffer in forward, g in backward; ``groups`` names the groups per role and is empty in one process.
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ class LinearLowering:
             y = (async_tp_column(x, [w_nk], self.spec.recipe, form, delayed)[0] if form.kind == "column"
                  else async_tp_row(x, w_nk, self.spec.recipe, form, delayed))
         elif plan is None:
-            if self._bias_in_gemm(x, bias):   # the GEMM's epilogue adds it
+            if self._bias_in_gemm(x, w_nk, bias):   # the GEMM's epilogue adds it
                 return self._local(x, w_nk, delayed, self.spec.amax_groups, bias)
             y = self._local(x, w_nk, delayed, self.spec.amax_groups)
         else:
@@ -147,10 +147,10 @@ class LinearLowering:
                                self.spec.amax_groups)
         return y if bias is None else y + bias
 
-    def _bias_in_gemm(self, x, bias) -> bool:
+    def _bias_in_gemm(self, x, w_nk, bias) -> bool:
         """Does the per-tensor Function add ``bias`` in its forward GEMM's epilogue (``adds_bias``)?"""
         spec = self.spec
-        return spec.recipe.per_tensor and not spec.rowwise and adds_bias(bias, x.dtype)
+        return spec.recipe.per_tensor and not spec.rowwise and adds_bias(bias, x.dtype, w_nk.shape[0])
 
     def _local(self, x, w_nk, delayed, groups, bias=None) -> torch.Tensor:
         """x [..., K] @ w_nk.T (+ bias, only where ``_bias_in_gemm``) -> [..., N] on plain tensors."""

@@ -151,8 +151,9 @@ class NormLinearsLowering:
         x2d = x.reshape(-1, x.shape[-1])
         flat, added = [], []   # added: the biases the GEMMs' epilogues take (``adds_bias``)
         for (w, bias, *delayed), in_out in zip(consumers, spec.weight_in_out):
-            added.append(adds_bias(bias, spec.quantized.out_dtype))
-            flat += [w.t() if in_out else w, *(delayed or (None,) * 4), bias if added[-1] else None]
+            w_nk = w.t() if in_out else w
+            added.append(adds_bias(bias, spec.quantized.out_dtype, w_nk.shape[0]))
+            flat += [w_nk, *(delayed or (None,) * 4), bias if added[-1] else None]
         outs = NormFp8LinearsFunction.apply(spec, x2d, norm_w, norm_b, *flat)
         ys = []
         for y, shape, (_w, bias, *_), in_gemm in zip(outs, shapes, consumers, added):
