@@ -218,3 +218,28 @@ def test_delayed_scaling_keeps_both_states_and_the_forward():
     for key in fused_state:
         if "grad_output" not in key:
             assert_bitwise_equal(fused_state[key], unfused_state[key], key)
+
+
+def test_a_bf16_projection_adds_its_bias_as_the_plain_linear_does():
+    # a bf16 output projection takes its bias into the FP8 GEMM's epilogue (one rounding); the fused
+    # site must too, or its forward would no longer be the two sites' apart, bit for bit
+    def run(mha: bool):
+        torch.manual_seed(0)
+        block = Block("nanogpt").to(torch.bfloat16)
+        torch._dynamo.reset()
+        te_compile.reset()
+        options = {"recipe": "Float8CurrentScaling", "compiler": "aot_eager",
+                   "recipe_options": {"fp8_dpa": True, "fp8_mha": mha}}
+        gen = torch.Generator().manual_seed(0)
+        q, k, v = (torch.randn(*shape, generator=gen).to(torch.bfloat16).requires_grad_()
+                   for shape in ((B, H, T, D), (B, HKV, T, D), (B, HKV, T, D)))
+        y = torch.compile(block, backend="te", options=options)(q, k, v)
+        y.backward(torch.randn(y.shape, generator=gen).to(torch.bfloat16))
+        fused = [s for s in te_compile.report().sites if s.op == "fp8_mha" and s.rewritten]
+        return y.detach(), block.proj.bias.grad, fused
+
+    y_fused, db_fused, rows = run(True)
+    y_apart, db_apart, no_rows = run(False)
+    assert len(rows) == 1 and not no_rows, (rows, no_rows)
+    assert_bitwise_equal(y_fused, y_apart, "output")
+    assert_bitwise_equal(db_fused, db_apart, "bias grad")

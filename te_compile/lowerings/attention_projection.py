@@ -22,7 +22,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import column_major, fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
 from .attention import (
     AttentionLowering,
@@ -48,11 +48,12 @@ class AttentionProjectionFunction(torch.autograd.Function):
 
     ``a_*``: the attention's DelayedScaling carrier and query / key / value / grad_output scales,
     ``l_*``: the projection's carrier and input / weight / grad_output scales (None under current
-    scaling), as fp8_attention.Fp8AttentionFunction and per_tensor.Fp8LinearFunction take them."""
+    scaling), as fp8_attention.Fp8AttentionFunction and linear.Fp8LinearFunction take them; ``bias``
+    [N]: added in the projection GEMM's epilogue (``adds_bias``), else None."""
 
     @staticmethod
     def forward(ctx, spec: AttentionProjectionSpec, q, k, v, mask, a_carrier, a_q, a_k, a_v, a_do,
-                w_nk, l_carrier, x_scale, w_scale, g_scale, q8_bits=None, k8_bits=None, v8_bits=None,
+                w_nk, l_carrier, x_scale, w_scale, g_scale, bias=None, q8_bits=None, k8_bits=None, v8_bits=None,
                 in_amaxes=None):
         att, recipe = spec.attention, spec.recipe
         scales = torch.cat([a_q, a_k, a_v]) if a_q is not None else None
@@ -66,7 +67,8 @@ class AttentionProjectionFunction(torch.autograd.Function):
         x_sinv, w_sinv = scale_invs(x_scale, w_scale)
         xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x), scale_inv=x_sinv)
         xq = xq.contiguous()
-        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype, w_sinv=w_sinv)
+        y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype, w_sinv=w_sinv,
+                                          bias=bias)
         ctx.spec = spec
         ctx.dtypes = (o.dtype, w_nk.dtype)
         ctx.shape = (b, h, t, d)
@@ -95,8 +97,9 @@ class AttentionProjectionFunction(torch.autograd.Function):
             att.causal, att.fp8_backward, att.grad_dtype, a_do)
         a_grad = torch.cat([amaxes, do_amax]) if ctx.needs_input_grad[5] else None
         l_grad = torch.cat([xw_amax, g_amax]) if ctx.needs_input_grad[11] else None
+        db = grad_y.sum(0) if ctx.needs_input_grad[15] else None
         return (None, dq, dk, dv, None, a_grad, None, None, None, None, dw, l_grad, None, None, None,
-                None, None, None, None)
+                db, None, None, None, None)
 
 
 def _call_args(fp8_inputs: tuple) -> tuple:
@@ -129,11 +132,15 @@ class AttentionProjectionLowering:
             x = o.transpose(1, 2).reshape(b * t, h * d) if self.spec.flat else o.transpose(1, 2).reshape(b, t, h * d)
             return self._linear(x, weight, bias, *l_delayed)
         w_nk = weight.t() if self._linear.spec.weight_in_out else weight
+        # the bias in the GEMM's epilogue where the plain linear would put it there, so that the
+        # two sites apart and this one compute the same bits (o is in q's dtype)
+        in_gemm = self.spec.recipe.per_tensor and adds_bias(bias, q.dtype, w_nk.shape[0])
         y = AttentionProjectionFunction.apply(self.spec, q, k, v, mask, *(a_delayed or (None,) * 5), w_nk,
-                                              *(l_delayed or (None,) * 4), *fp8_inputs)
+                                              *(l_delayed or (None,) * 4), bias if in_gemm else None,
+                                              *fp8_inputs)
         if not self.spec.flat:
             y = y.reshape(q.shape[0], q.shape[2], y.shape[-1])
-        return y if bias is None else y + bias
+        return y if bias is None or in_gemm else y + bias
 
     def __repr__(self) -> str:
         return (f"AttentionProjectionLowering({self.spec.attention.fqn!r} -> {self.spec.linear_fqn!r}, "
