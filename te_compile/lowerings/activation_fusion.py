@@ -174,8 +174,9 @@ class ActFp8LinearFunction(torch.autograd.Function):
             dh, du = _activation_backward(spec.kind, da.to(h_dtype), h, u, spec.fn)
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        db = grad_y.sum(0) if ctx.needs_input_grad[8] else None
-        return None, dh, du, dw, carrier_grad, None, None, None, db
+        # bias is optional: a call without it has 8 inputs
+        db = grad_y.sum(0) if len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8] else None
+        return (None, dh, du, dw, carrier_grad, None, None, None, db)[:len(ctx.needs_input_grad)]
 
 
 def _cast(a: torch.Tensor, casts) -> torch.Tensor:

@@ -97,7 +97,7 @@ class AttentionProjectionFunction(torch.autograd.Function):
             att.causal, att.fp8_backward, att.grad_dtype, a_do)
         a_grad = torch.cat([amaxes, do_amax]) if ctx.needs_input_grad[5] else None
         l_grad = torch.cat([xw_amax, g_amax]) if ctx.needs_input_grad[11] else None
-        db = grad_y.sum(0) if ctx.needs_input_grad[15] else None
+        db = grad_y.sum(0) if len(ctx.needs_input_grad) > 15 and ctx.needs_input_grad[15] else None
         return (None, dq, dk, dv, None, a_grad, None, None, None, None, dw, l_grad, None, None, None,
                 db, None, None, None, None)
 

@@ -248,8 +248,9 @@ class Fp8LinearFunction(torch.autograd.Function):
         carrier_grad = None
         if ctx.needs_input_grad[4]:
             carrier_grad = torch.cat([xw_amax, g_amax])
-        db = grad_y.sum(0) if ctx.needs_input_grad[8] else None
-        return dx, dw, None, None, carrier_grad, None, None, None, db
+        # bias is optional: a call without it has 8 inputs
+        db = grad_y.sum(0) if len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8] else None
+        return (dx, dw, None, None, carrier_grad, None, None, None, db)[:len(ctx.needs_input_grad)]
 
 
 # ---- the quantizer path (block-scaled recipes, CustomRecipe) -------------------------------------
