@@ -78,6 +78,14 @@ def test_the_emulation_adds_a_bias_as_scaled_mm_does(out_dtype):
     assert gemm.adds_bias(bias, out_dtype, n) and not gemm.adds_bias(bias.float(), torch.float32, n)
     assert not gemm.adds_bias(bias, torch.float32, n) and not gemm.adds_bias(bias[None], out_dtype, n)
     assert not gemm.adds_bias(bias[:1], out_dtype, n)   # an addend that broadcasts: added after the GEMM
+    # split_bias gives each bias to exactly one of the two places
+    addend = bias[:1]
+    for args, expect in [((bias, out_dtype, n), (bias, None)),
+                         ((bias, out_dtype, n, False), (None, bias)),   # a GEMM without an epilogue
+                         ((addend, out_dtype, n), (None, addend)),
+                         ((None, out_dtype, n), (None, None))]:
+        got = gemm.split_bias(*args)
+        assert got[0] is expect[0] and got[1] is expect[1], args
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

@@ -36,8 +36,8 @@ from ..quantization import weight_is_operand
 from ..scaling import quantize_per_tensor, tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor
 
-__all__ = ["fp8_gemm", "scaled_mm", "adds_bias", "fp8_fprop", "fp8_dgrad_wgrad", "quantize_weight", "column_major",
-           "operand_a", "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm",
+__all__ = ["fp8_gemm", "scaled_mm", "adds_bias", "split_bias", "add_bias", "fp8_fprop", "fp8_dgrad_wgrad",
+           "quantize_weight", "column_major", "operand_a", "operand_b", "emulates_fp8_gemm", "uses_native_fp8_gemm", "cpu_emulates_scaled_mm",
            "fp8_gemm_kind", "CUDA_ALIGN"]
 
 log = logging.getLogger(__name__)
@@ -124,6 +124,22 @@ def adds_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype, n: int) -> b
     so that both round the same way."""
     return (bias is not None and tuple(bias.shape) == (n,) and bias.dtype == out_dtype
             and out_dtype in (torch.bfloat16, torch.float16))
+
+
+def split_bias(bias: Optional[torch.Tensor], out_dtype: torch.dtype, n: int,
+               epilogue: bool = True) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """``bias`` as (the GEMM epilogue's bias, the bias added after the GEMM): at most one is not None.
+    The epilogue takes it where ``adds_bias`` allows and the caller's GEMM has an epilogue
+    (``epilogue``); every lowering splits a bias this way, so a fused site and the plain linear it
+    replaces round the same way."""
+    if epilogue and adds_bias(bias, out_dtype, n):
+        return bias, None
+    return None, bias
+
+
+def add_bias(y: torch.Tensor, after: Optional[torch.Tensor]) -> torch.Tensor:
+    """y + the bias ``split_bias`` left for after the GEMM (y itself where there is none)."""
+    return y if after is None else y + after
 
 
 @torch._dynamo.disable

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
-from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import add_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, split_bias
 from ..recipe import Recipe
 from ..scaling import (cast_to_fp8, compute_scale, current_scale, group_amax, quantize_per_tensor,
                        quantize_rows_per_group, scale_invs, tensor_amax)
@@ -146,7 +146,6 @@ class ActFp8LinearFunction(torch.autograd.Function):
                                           bias=bias)
         ctx.spec = spec
         ctx.dtypes = (h.dtype, a.dtype, w_nk.dtype)
-        ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(*_stash(h, recipe), *_stash(u, recipe), x_scale, x_sinv, wq, w_sinv,
                               torch.cat([x_amax, w_amax]), *((g_scale,) if g_scale is not None else ()))
         return y
@@ -205,11 +204,11 @@ class ActivationLinearLowering:
             return self._linear(a.reshape(shape.shape), weight, bias, *delayed)
         w_nk = weight.t() if self.spec.weight_in_out else weight
         k = h.shape[-1]
-        in_gemm = adds_bias(bias, self.spec.casts[-1] if self.spec.casts else h.dtype, w_nk.shape[0])   # y's dtype
+        in_gemm, bias = split_bias(bias, self.spec.casts[-1] if self.spec.casts else h.dtype,   # y's dtype
+                                   w_nk.shape[0])
         y = ActFp8LinearFunction.apply(self.spec, h.reshape(-1, k), None if u is None else u.reshape(-1, k), w_nk,
-                                       *(delayed or (None,) * 4), bias if in_gemm else None)
-        y = y.reshape(*shape.shape[:-1], y.shape[-1])
-        return y if bias is None or in_gemm else y + bias
+                                       *(delayed or (None,) * 4), in_gemm)
+        return add_bias(y.reshape(*shape.shape[:-1], y.shape[-1]), bias)
 
     def __repr__(self) -> str:
         return f"ActivationLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

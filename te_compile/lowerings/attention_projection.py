@@ -22,7 +22,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import add_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, split_bias
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
 from .attention import (
     AttentionLowering,
@@ -134,13 +134,12 @@ class AttentionProjectionLowering:
         w_nk = weight.t() if self._linear.spec.weight_in_out else weight
         # the bias in the GEMM's epilogue where the plain linear would put it there, so that the
         # two sites apart and this one compute the same bits (o is in q's dtype)
-        in_gemm = self.spec.recipe.per_tensor and adds_bias(bias, q.dtype, w_nk.shape[0])
+        in_gemm, bias = split_bias(bias, q.dtype, w_nk.shape[0], self.spec.recipe.per_tensor)
         y = AttentionProjectionFunction.apply(self.spec, q, k, v, mask, *(a_delayed or (None,) * 5), w_nk,
-                                              *(l_delayed or (None,) * 4), bias if in_gemm else None,
-                                              *fp8_inputs)
+                                              *(l_delayed or (None,) * 4), in_gemm, *fp8_inputs)
         if not self.spec.flat:
             y = y.reshape(q.shape[0], q.shape[2], y.shape[-1])
-        return y if bias is None or in_gemm else y + bias
+        return add_bias(y, bias)
 
     def __repr__(self) -> str:
         return (f"AttentionProjectionLowering({self.spec.attention.fqn!r} -> {self.spec.linear_fqn!r}, "

@@ -121,7 +121,6 @@ class Fp8GroupedLinearFunction(torch.autograd.Function):
         y, wq, w_sinv, w_amax = grouped_fprop(xq, x_sinv, groups, w_ekn, offs, recipe, w_scale, out_dtype=x.dtype)
         ctx.recipe = recipe
         ctx.dtypes = (x.dtype, w_ekn.dtype)
-        ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(xq, x_sinv, wq, w_sinv, offs, groups, torch.cat([x_amax, w_amax]),
                               *((g_scale,) if g_scale is not None else ()))
         ctx.mark_non_differentiable(offs)

@@ -32,7 +32,8 @@ from ..autocast import autocast_dtype
 from ..distributed import NO_GROUPS, AmaxGroup, is_dtensor, reduce_amaxes
 from ..fx.cache_names import name_lowering
 from ..gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
-from ..gemm.per_tensor import adds_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, fp8_gemm_kind
+from ..gemm.per_tensor import (add_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, fp8_gemm_kind,
+                                split_bias)
 from ..quantization import quantize_copies, quantizer_factory, weight_is_operand
 from ..recipe import GEMM_ROLES, Recipe
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
@@ -132,28 +133,24 @@ class LinearLowering:
     def _x_wt(self, x, weight, bias, delayed) -> torch.Tensor:
         """x [..., K] @ w_nk.T (+ bias) -> [..., N]; on DTensors shard by shard, the bias added by
         DTensor (a row-parallel output is a partial sum: the replicated bias must be added once)."""
-        w_nk = weight.t() if self.spec.weight_in_out else weight
-        plan = plan_linear_sharding(x, w_nk, self.spec.fqn)
-        form = self.spec.async_tp
+        spec = self.spec
+        w_nk = weight.t() if spec.weight_in_out else weight
+        plan = plan_linear_sharding(x, w_nk, spec.fqn)
+        form = spec.async_tp
         if plan is not None and form is not None:
-            y = (async_tp_column(x, [w_nk], self.spec.recipe, form, delayed)[0] if form.kind == "column"
-                 else async_tp_row(x, w_nk, self.spec.recipe, form, delayed))
+            y = (async_tp_column(x, [w_nk], spec.recipe, form, delayed)[0] if form.kind == "column"
+                 else async_tp_row(x, w_nk, spec.recipe, form, delayed))
         elif plan is None:
-            if self._bias_in_gemm(x, w_nk, bias):   # the GEMM's epilogue adds it
-                return self._local(x, w_nk, delayed, self.spec.amax_groups, bias)
-            y = self._local(x, w_nk, delayed, self.spec.amax_groups)
+            # only the per-tensor Function's GEMM takes an epilogue bias
+            in_gemm, bias = split_bias(bias, x.dtype, w_nk.shape[0], spec.recipe.per_tensor and not spec.rowwise)
+            y = self._local(x, w_nk, delayed, spec.amax_groups, in_gemm)
         else:
             y = sharded_linear(lambda x_, w_, groups: self._local(x_, w_, delayed, groups), x, w_nk, plan,
-                               self.spec.amax_groups)
-        return y if bias is None else y + bias
-
-    def _bias_in_gemm(self, x, w_nk, bias) -> bool:
-        """Does the per-tensor Function add ``bias`` in its forward GEMM's epilogue (``adds_bias``)?"""
-        spec = self.spec
-        return spec.recipe.per_tensor and not spec.rowwise and adds_bias(bias, x.dtype, w_nk.shape[0])
+                               spec.amax_groups)
+        return add_bias(y, bias)
 
     def _local(self, x, w_nk, delayed, groups, bias=None) -> torch.Tensor:
-        """x [..., K] @ w_nk.T (+ bias, only where ``_bias_in_gemm``) -> [..., N] on plain tensors."""
+        """x [..., K] @ w_nk.T (+ bias: the epilogue's, per-tensor Function only) -> [..., N] on plain tensors."""
         x2d = x.reshape(-1, x.shape[-1])
         if not self.spec.recipe.per_tensor:
             y = QuantizedLinearFunction.apply(x2d, w_nk, quantizer_factory(self.spec.recipe), self.spec.native_gemm,
@@ -226,7 +223,6 @@ class Fp8LinearFunction(torch.autograd.Function):
         ctx.recipe = recipe
         ctx.g_groups = groups[2]
         ctx.dtypes = (x2d.dtype, w_dtype)
-        ctx.has_g_scale = g_scale is not None
         ctx.save_for_backward(xq, x_sinv, wq, w_sinv, torch.cat([x_amax, w_amax]),
                               *((g_scale,) if g_scale is not None else ()))
         return y

@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..distributed import is_dtensor, reduce_amaxes
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import adds_bias, column_major, fp8_gemm, operand_a, quantize_weight
+from ..gemm.per_tensor import add_bias, column_major, fp8_gemm, operand_a, quantize_weight, split_bias
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..quantization import weight_is_operand
@@ -392,12 +392,11 @@ def _logits(xc, w, x_sinv, w_sinv, bias, out_dtype, fast_accum: bool = False) ->
     high-precision product (x_sinv None)."""
     if x_sinv is None:
         return F.linear(xc, w, bias)   # the unfused layer's own call (addmm with a bias)
-    # a bias in the GEMM's epilogue where the unfused layer's lowering puts it there (adds_bias), so
-    # that the logits keep its bits
-    in_gemm = adds_bias(bias, out_dtype, w.shape[0])
-    z = fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype, fast_accum=fast_accum,
-                 bias=bias if in_gemm else None)
-    return z if bias is None or in_gemm else z + bias
+    # a bias in the GEMM's epilogue where the unfused layer's lowering puts it there, so that the
+    # logits keep its bits
+    in_gemm, bias = split_bias(bias, out_dtype, w.shape[0])
+    return add_bias(fp8_gemm(xc.contiguous(), w.t(), x_sinv, w_sinv, out_dtype=out_dtype, fast_accum=fast_accum,
+                             bias=in_gemm), bias)
 
 
 class LinearCrossEntropyLowering:

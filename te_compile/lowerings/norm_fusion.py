@@ -27,7 +27,7 @@ import torch
 
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
-from ..gemm.per_tensor import adds_bias, fp8_dgrad_wgrad, fp8_fprop
+from ..gemm.per_tensor import add_bias, fp8_dgrad_wgrad, fp8_fprop, split_bias
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
 from ..recipe import Recipe
@@ -149,16 +149,15 @@ class NormLinearsLowering:
             return self._unfused(x, norm_w, norm_b, shapes, consumers)
         spec = self.spec
         x2d = x.reshape(-1, x.shape[-1])
-        flat, added = [], []   # added: the biases the GEMMs' epilogues take (``adds_bias``)
+        flat, after = [], []   # after: the biases the GEMMs' epilogues do not take (``split_bias``)
         for (w, bias, *delayed), in_out in zip(consumers, spec.weight_in_out):
             w_nk = w.t() if in_out else w
-            added.append(adds_bias(bias, spec.quantized.out_dtype, w_nk.shape[0]))
-            flat += [w_nk, *(delayed or (None,) * 4), bias if added[-1] else None]
+            in_gemm, rest = split_bias(bias, spec.quantized.out_dtype, w_nk.shape[0])
+            flat += [w_nk, *(delayed or (None,) * 4), in_gemm]
+            after.append(rest)
         outs = NormFp8LinearsFunction.apply(spec, x2d, norm_w, norm_b, *flat)
-        ys = []
-        for y, shape, (_w, bias, *_), in_gemm in zip(outs, shapes, consumers, added):
-            y = y.reshape(*shape.shape[:-1], y.shape[-1])
-            ys.append(y if bias is None or in_gemm else y + bias)
+        ys = [add_bias(y.reshape(*shape.shape[:-1], y.shape[-1]), bias)
+              for y, shape, bias in zip(outs, shapes, after)]
         if spec.emit_hp:
             ys.append(outs[-1].reshape(x.shape))
         return tuple(ys)
