@@ -28,7 +28,7 @@ import te_compile.passes as passes
 from te_compile.hardware import is_fp8_block_scaling_available, is_mxfp8_available, is_nvfp4_available
 from te_compile.gemm import scaled_mm_op
 from te_compile.lowerings.linear import QuantizedLinearFunction
-from te_compile.quantization import quantize_copies, quantizer_factory
+from te_compile.gemm.block import quantize_copies, quantizer_factory
 from te_compile.gemm.scaled_mm_op import _scaled_mm, swizzle_32_4_4, unswizzle_32_4_4
 from te_compile.recipe import (
     DelayedScaling,

@@ -623,7 +623,7 @@ def test_every_example_config_loads_and_builds_a_supported_lowering():
     from pathlib import Path
 
     from te_compile.lowerings import LinearLowering, LinearSpec
-    from te_compile.quantization import quantizer_factory
+    from te_compile.gemm.block import quantizer_factory
 
     paths = sorted((Path(__file__).parent.parent / "examples").glob("*.toml"))
     assert len(paths) >= 8, [p.name for p in paths]

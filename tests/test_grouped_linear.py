@@ -13,7 +13,7 @@ from te_compile.gemm import grouped
 from te_compile.gemm.grouped import (group_index, grouped_mm_f32, grouped_mm_f32_reference, pad_groups,
                                      scaled_grouped_mm)
 from te_compile.lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
-from te_compile.quantization import quantize_copies, quantizer_factory
+from te_compile.gemm.block import quantize_copies, quantizer_factory
 from te_compile.lowerings.linear import LinearLowering, LinearSpec
 from te_compile.recipe import (DelayedScaling, Float8BlockScaling, Float8CurrentScaling, Format, MXFP8BlockScaling,
                                NVFP4BlockScaling)

@@ -19,7 +19,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "te_compile"
 
 # Bottom to top; a name stands for the module or the package and everything in it, and the longest
 # name that matches places a module. The eager features (FSDP2's FP8 all-gather, FP8 primary
-# weights) sit beside the lowerings, on the recipe -> quantizer layer both use.
+# weights) and quantization.py, their weight quantizer, sit beside the lowerings, above the GEMM
+# layer whose operand quantizers (gemm/block.py) both use.
 LAYERS = [
     ["te_compile.recipe", "te_compile.scaling", "te_compile.hardware", "te_compile.norm_spec",
      "te_compile.report", "te_compile.eager_experts", "te_compile.library_warnings", "te_compile.numerics",
@@ -28,14 +29,14 @@ LAYERS = [
     ["te_compile.distributed", "te_compile.state", "te_compile.config", "te_compile.context_parallel",
      "te_compile.pipeline", "te_compile.memory"],
     ["te_compile.tensor"],
-    ["te_compile.quantization", "te_compile.custom_recipes"],
+    ["te_compile.custom_recipes"],
     ["te_compile.gemm"],
     # graph-only helpers: below every pass and lowering that may walk a graph
     ["te_compile.fx"],
     # the ways one linear executes: below the lowerings that pick one (linear.py) or call its GEMMs
     ["te_compile.lowerings.linear_paths"],
-    ["te_compile.lowerings", "te_compile.fsdp", "te_compile.primary_weights", "te_compile.weight_cache",
-     "te_compile.calibration", "te_compile.kv_cache"],
+    ["te_compile.lowerings", "te_compile.quantization", "te_compile.fsdp", "te_compile.primary_weights",
+     "te_compile.weight_cache", "te_compile.calibration", "te_compile.kv_cache"],
     ["te_compile.passes"],
     ["te_compile.backend"],
     ["te_compile", "te_compile.cli", "te_compile.models", "te_compile.data", "te_compile.__main__"],

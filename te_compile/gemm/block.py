@@ -1,5 +1,15 @@
-"""GEMMs on block-scaled operands (MXFP8, Float8 block, NVFP4): natively through F.scaled_mm, or by
-dequantizing both (``dequantized_gemm``, the emulation used where a format has no native GEMM).
+"""Operands and GEMMs of the recipes that quantize with quantizer objects: the block-scaled ones
+(MXFP8, Float8 block, NVFP4) and CustomRecipe.
+
+The operands: ``quantizer_factory(recipe)(role)`` is the quantizer a role's tensor gets (the one place
+where such a recipe becomes quantizer objects, for the lowerings and the eager features alike),
+``quantize_copies`` quantizes the copies a GEMM needs with it, ``quantize_tokens_per_group`` an MoE
+layer's tokens, each expert's rows as if alone. The per-tensor recipes have no quantizer objects:
+their operands are plain tensor ops (te_compile.scaling, gemm/per_tensor.py).
+
+The GEMMs: natively through F.scaled_mm, or by dequantizing both (``dequantized_gemm``, the
+emulation used where a format has no native GEMM, and CustomRecipe's GEMM).
+
 
 ``native_block_gemm(a, b, ...)`` computes the same op(a) @ op(b) as ``dequantized_gemm`` but hands
 the quantized bytes and their block scales to ``te_compile::block_scaled_mm`` (scaled_mm_op.py:
@@ -34,7 +44,7 @@ the output is cut back to [M, N].
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -42,12 +52,120 @@ import torch.nn.functional as F
 from ..kernels.float8_block_quantize import FLOAT8_BLOCK
 from ..kernels.mxfp8_quantize import MXFP8_BLOCK
 from ..kernels.nvfp4_quantize import NVFP4_BLOCK, nvfp4_global_scale
-from ..tensor.float8_blockwise_tensor import Float8BlockwiseQTensorStorage
-from ..tensor.mxfp8_tensor import MXFP8TensorStorage
-from ..tensor.nvfp4_tensor import NVFP4TensorStorage
+from ..recipe import GRADIENT_ROLES, ROLES, Recipe
+from ..tensor.float8_blockwise_tensor import Float8BlockQuantizer, Float8BlockwiseQTensorStorage
+from ..tensor.mxfp8_tensor import MXFP8Quantizer, MXFP8TensorStorage
+from ..tensor.nvfp4_tensor import NVFP4Quantizer, NVFP4TensorStorage
+from ..tensor.quantized_tensor import Quantizer
 from .scaled_mm_op import block_scaled_mm, round_up, swizzle_32_4_4
 
-__all__ = ["native_block_gemm", "native_pair_supported", "dequantized_gemm", "block_format"]
+__all__ = ["quantizer_factory", "quantize_copies", "quantize_tokens_per_group", "native_block_gemm",
+           "native_pair_supported", "dequantized_gemm", "block_format"]
+
+
+# ---- the operands: quantizer objects -------------------------------------------------------------
+
+
+def _block_quantizer(recipe: Recipe, role: str) -> Quantizer:
+    """``recipe``'s quantizer for ``role``, for the built-in block-scaled recipes."""
+    if recipe.mxfp8():
+        return MXFP8Quantizer(recipe.fp8_format.dtype_for(role))
+    if recipe.float8_block_scaling():
+        dim = (recipe.w_block_scaling_dim if role == "weight" else
+               recipe.grad_block_scaling_dim if role in GRADIENT_ROLES else recipe.x_block_scaling_dim)
+        return Float8BlockQuantizer(recipe.fp8_format.dtype_for(role), rowwise=True, columnwise=True,
+                                    block_scaling_dim=dim, force_pow_2_scales=recipe.use_power_2_scales,
+                                    amax_epsilon=recipe.amax_epsilon)
+    # NVFP4's training recipe: 16x16 blocks for weights (so W and W.T share scales), stochastic
+    # rounding for gradients, the Hadamard transform on the wgrad operands (input and grad_output).
+    return NVFP4Quantizer(
+        with_2d_quantization=role == "weight" and not recipe.disable_2d_quantization,
+        stochastic_rounding=role in GRADIENT_ROLES and not recipe.disable_stochastic_rounding,
+        with_rht=role in ("input", *GRADIENT_ROLES) and not recipe.disable_rht,
+    )
+
+
+def quantizer_factory(recipe: Recipe) -> Callable[[str], Quantizer]:
+    """``role -> Quantizer`` for a block-scaled recipe, or a CustomRecipe's own ``qfactory``.
+
+    The per-tensor recipes have none: their lowerings quantize with ``scaling.quantize_per_tensor``.
+    """
+    if recipe.custom():
+        return recipe.qfactory
+    if recipe.block_format is None:
+        raise ValueError(f"no quantizer factory for {recipe.name}: per-tensor recipes quantize with "
+                         f"quantize_per_tensor; factories exist for the block-scaled recipes and CustomRecipe")
+
+    def factory(role: str) -> Quantizer:
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        return _block_quantizer(recipe, role)
+
+    return factory
+
+
+def quantize_copies(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, *, rowwise: bool = True,
+                    columnwise: bool = False, amax_groups: tuple = ()):
+    """The asked copies of ``t`` (rowwise: blocks along the last dim; columnwise: along dim 0),
+    quantized by a fresh copy of ``factory(role)``, as a storage object (no autograd wrapper).
+    ``amax_groups``: where the format has a tensor-level amax (NVFP4), it is all-reduced over these
+    first (te_compile.distributed.AmaxGroup; shards of a tensor split across ranks)."""
+    quantizer = factory(role).copy()
+    quantizer.set_usage(rowwise=rowwise, columnwise=columnwise)
+    if amax_groups and hasattr(quantizer, "amax_reduction_groups"):
+        quantizer.amax_reduction_groups = amax_groups
+    quantizer.internal = True
+    return quantizer.quantize(t)
+
+
+# ---- MoE tokens grouped by expert (quantizer objects) ---------------------------------------------
+
+
+class _PerGroupNVFP4Quantizer(NVFP4Quantizer):
+    """NVFP4 whose tensor-level amax is one per group of token rows (an MoE layer's experts), each
+    group quantized as if alone: per row tile of the rowwise copy (``tokens`` = rows), or per column
+    of blocks of the columnwise copy (``tokens`` = columns of x2d.T; groups padded to whole 16-row
+    blocks by the caller). groups: int64, the group of each token (``num_groups`` or more: none)."""
+
+    def __init__(self, base: NVFP4Quantizer, groups: torch.Tensor, num_groups: int) -> None:
+        super().__init__(rowwise=base.rowwise_usage, columnwise=base.columnwise_usage, with_rht=base.with_rht,
+                         stochastic_rounding=base.stochastic_rounding, with_2d_quantization=False)
+        self.groups, self.num_groups = groups, num_groups
+
+    def _amax(self, x2d: torch.Tensor) -> torch.Tensor:
+        if not self.columnwise_usage:   # the rowwise copy: x2d [M, K], one amax per row's group
+            per_token = x2d.detach().abs().amax(dim=1)
+            amax = self._group_max(per_token)
+            return torch.cat([amax, amax.new_ones(1)])[self.groups.clamp(max=self.num_groups)][:, None]
+        # the columnwise copy: x2d = the tokens' transpose [K, M'] (after the Hadamard transform)
+        blocks = x2d.detach().abs().reshape(x2d.shape[0], -1, NVFP4_BLOCK).amax(dim=(0, 2))   # [M' / 16]
+        block_groups = self.groups[::NVFP4_BLOCK]
+        amax = self._group_max(blocks, block_groups)
+        return torch.cat([amax, amax.new_ones(1)])[block_groups.clamp(max=self.num_groups)][None, :]
+
+    def _group_max(self, values: torch.Tensor, groups: Optional[torch.Tensor] = None) -> torch.Tensor:
+        groups = self.groups if groups is None else groups
+        out = torch.zeros(self.num_groups + 1, dtype=torch.float32, device=values.device)
+        return out.scatter_reduce(0, groups.clamp(max=self.num_groups), values.to(torch.float32), "amax",
+                                  include_self=True)[:self.num_groups]
+
+
+def quantize_tokens_per_group(factory: Callable[[str], Quantizer], role: str, t: torch.Tensor, groups: torch.Tensor,
+                              num_groups: int, *, columnwise: bool = False):
+    """``t``'s token rows (an MoE layer's, grouped by expert) quantized as the dense block linear
+    quantizes one group's rows alone, as a storage object: rowwise (blocks along the last dim), or
+    with ``columnwise`` the copy whose blocks run down the tokens (the caller pads each group to whole
+    blocks, ``Recipe.token_block_rows``). Formats whose scales are per block only (MXFP8, Float8
+    block) need no grouping; NVFP4's tensor-level amax becomes one per group."""
+    quantizer = factory(role).copy()
+    quantizer.set_usage(rowwise=not columnwise, columnwise=columnwise)
+    if isinstance(quantizer, NVFP4Quantizer):
+        quantizer = _PerGroupNVFP4Quantizer(quantizer, groups, num_groups)
+    quantizer.internal = True
+    return quantizer.quantize(t)
+
+
+# ---- the GEMMs ---------------------------------------------------------------------------------------
 
 # Multiple the contraction dim is zero-padded to, per format, in elements: whole blocks, and scaled_mm's
 # K % 16 on the stored dim (NVFP4 stores two elements per byte, so 32 elements).

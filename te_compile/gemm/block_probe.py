@@ -27,9 +27,8 @@ from ..hardware import (
     is_nvfp4_available,
 )
 from ..numerics import sqnr_db
-from ..quantization import quantize_copies, quantizer_factory
 from ..recipe import Recipe
-from .block import dequantized_gemm, native_block_gemm, native_pair_supported
+from .block import dequantized_gemm, native_block_gemm, native_pair_supported, quantize_copies, quantizer_factory
 
 __all__ = ["native_block_gemm_support", "MIN_SQNR_DB"]
 

@@ -32,7 +32,7 @@ from torch._prims_common import is_contiguous_or_false
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..hardware import is_fp8_available
-from ..quantization import weight_is_operand
+from .operands import weight_is_operand
 from ..scaling import quantize_per_tensor, tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor
 

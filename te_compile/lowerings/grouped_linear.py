@@ -30,8 +30,8 @@ from typing import Callable, Optional
 import torch
 
 from ..fx.cache_names import name_lowering
+from ..gemm.block import quantize_copies, quantize_tokens_per_group, quantizer_factory
 from ..gemm.grouped import equal_group_offsets, group_index, grouped_mm_f32, pad_groups, scaled_grouped_mm
-from ..quantization import quantize_copies, quantize_tokens_per_group, quantizer_factory
 from ..recipe import Recipe
 from ..scaling import quantize_per_expert, quantize_rows_per_group
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor

@@ -31,10 +31,11 @@ import torch.nn.functional as F
 from ..autocast import autocast_dtype
 from ..distributed import NO_GROUPS, AmaxGroup, is_dtensor, reduce_amaxes
 from ..fx.cache_names import name_lowering
-from ..gemm.block import dequantized_gemm, native_block_gemm, native_pair_supported
+from ..gemm.block import (dequantized_gemm, native_block_gemm, native_pair_supported, quantize_copies,
+                          quantizer_factory)
+from ..gemm.operands import weight_is_operand
 from ..gemm.per_tensor import (add_bias, column_major, fp8_dgrad_wgrad, fp8_fprop, fp8_gemm_kind,
                                 split_bias)
-from ..quantization import quantize_copies, quantizer_factory, weight_is_operand
 from ..recipe import GEMM_ROLES, Recipe
 from ..scaling import quantize_per_tensor, scale_invs, tensor_amax
 from ..tensor.quantized_tensor import QuantizedTensor, Quantizer, prepare_for_saving, restore_from_saved

@@ -70,7 +70,7 @@ from ..fx.cache_names import name_lowering
 from ..gemm.per_tensor import add_bias, column_major, fp8_gemm, operand_a, quantize_weight, split_bias
 from ..kernels.norm_quantize import norm_backward, norm_forward_reference, norm_quantize, norm_stats
 from ..norm_spec import NormSpec
-from ..quantization import weight_is_operand
+from ..gemm.operands import weight_is_operand
 from ..recipe import Recipe
 from ..scaling import cast_to_fp8, current_scale, fp8_max, quantize_per_tensor, tensor_amax
 from .linear import casts_weight_itself, weight_in_input_dtype

@@ -7,7 +7,7 @@ from typing import Optional
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from ..distributed import is_dtensor, local_value
-from ..quantization import FLOAT_DTYPES
+from ..gemm.operands import FLOAT_DTYPES
 from ..recipe import Recipe
 from ..fx.gemm_operands import LinearSite
 from ..fx.matching import shape_text, value_of

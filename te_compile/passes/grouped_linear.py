@@ -24,7 +24,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 from ..distributed import is_dtensor
 from ..gemm.grouped import GROUP_ALIGN, grouped_gemm_kind, uses_bf16_grouped_gemm, uses_native_grouped_gemm
 from ..lowerings.grouped_linear import GroupedLinearLowering, GroupedLinearSpec
-from ..quantization import FLOAT_DTYPES
+from ..gemm.operands import FLOAT_DTYPES
 from ..recipe import Recipe
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor

@@ -35,7 +35,7 @@ from ..gemm.block_probe import native_block_gemm_support
 from ..lowerings.async_tp_group import AsyncTpColumnGroupLowering
 from ..lowerings.linear import LinearLowering, LinearSpec, gemm_kind
 from ..lowerings.linear_paths.sharded import plan_linear_sharding
-from ..quantization import weight_is_operand
+from ..gemm.operands import weight_is_operand
 from ..recipe import GEMM_ROLES
 from ..tensor.quantized_tensor import QuantizedTensor
 from ..fx.editing import insert_call, replace_with_call

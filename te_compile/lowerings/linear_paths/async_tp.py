@@ -38,7 +38,7 @@ import torch
 
 from ...distributed import AmaxGroup, mesh_dim_group, reduce_amaxes
 from ...gemm.per_tensor import column_major, quantize_weight, scaled_mm
-from ...quantization import weight_is_operand
+from ...gemm.operands import weight_is_operand
 from ...scaling import quantize_per_tensor, tensor_amax
 
 __all__ = ["AsyncTp", "async_tp_column", "async_tp_row", "all_gather_seq", "reduce_scatter_seq"]
