@@ -561,6 +561,50 @@ def test_swiglu_fused_into_the_second_grouped_gemm_gives_the_unfused_bits(recipe
         assert_bitwise_equal(fused_grads[name], plain_grads[name], f"{name}.grad")
 
 
+@pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
+def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the_same_bits(monkeypatch, recipe):
+    # where the grouped GEMMs pad every expert's rows (16 for an sm90 GPU's grouped GEMMs; the CPU
+    # needs none, so the test asks for it), the gate and up GEMMs hand their padded rows to the fused
+    # SwiGLU + down GEMM: one gather back to token rows for the three GEMMs instead of one each, and
+    # padding rows that stay zero change no scale and no gradient
+    from te_compile.lowerings.grouped_linear import GatherRows
+    from te_compile.passes import grouped_linear as grouped_pass
+
+    gather = GatherRows.apply
+    gathers = []
+    monkeypatch.setattr(GatherRows, "apply", lambda *args: gathers.append(1) or gather(*args))
+    gen = seed(12)
+    x, counts = torch.randn(sum(COUNTS) + TAIL, K, generator=gen), torch.tensor(COUNTS)
+    results = {}
+    for align, fuse in ((16, True), (16, False), (1, True)):
+        monkeypatch.setattr(grouped_pass, "_align", lambda site, recipe_, align=align: align)
+        torch._dynamo.reset()
+        te_compile.reset()
+        torch.manual_seed(0)
+        model = GroupedExperts()
+        compiled = torch.compile(model, backend="te", fullgraph=True,
+                                 options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
+        gathers.clear()
+        outs = []
+        for _ in range(2):   # DelayedScaling: the second step reads the state the first one left
+            y = compiled(x, counts)
+            y[:sum(COUNTS)].float().square().mean().backward()
+            outs.append(y[:sum(COUNTS)].detach())
+        rows = {s.op: s for s in te_compile.report().sites}
+        results[align, fuse] = (outs, {n: p.grad for n, p in model.named_parameters()}, len(gathers),
+                                rows["swiglu"].reason)
+    (kept, kept_grads, kept_gathers, kept_reason), (apart, apart_grads, apart_gathers, _), (plain, plain_grads, _, reason) = \
+        results.values()
+    assert kept_reason == "fused into <root> (grouped GEMM), its inputs left padded by the expert GEMMs before it"
+    assert reason == "fused into <root> (grouped GEMM)"   # nothing to keep without padding
+    assert apart_gathers > 0 and kept_gathers * 3 == apart_gathers, (kept_gathers, apart_gathers)
+    for other, other_grads in ((apart, apart_grads), (plain, plain_grads)):
+        for step, (a, b) in enumerate(zip(kept, other)):
+            assert_bitwise_equal(a, b, f"output, step {step + 1}")
+        for name in kept_grads:
+            assert_bitwise_equal(kept_grads[name], other_grads[name], f"{name}.grad")
+
+
 def test_gather_rows_backward_copies_rows_back_without_index_add():
     # the padded GEMM output's rows gathered back: each row at most once, so the gradient is written
     # back with index_copy, the same bits as autograd's index_add into zeros, without atomic adds

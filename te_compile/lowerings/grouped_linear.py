@@ -50,6 +50,9 @@ class GroupedLinearSpec:
     # pad every expert's rows to a multiple of this before the GEMMs (the native grouped GEMM's 16),
     # on the device; 1: no padding
     align: int = 1
+    # return the padded output rows [P, N] instead of gathering the M token rows back: the one reader
+    # is the next grouped GEMM of an expert MLP (activation_fusion.py), which takes them as they are
+    keep_padding: bool = False
 
 
 def _per_row(scale_inv: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -239,25 +242,35 @@ class GroupedLinearLowering:
         recipe = self.spec.recipe
         if not recipe.per_tensor:
             return self.padded(lambda x_, offs_: BlockGroupedLinearFunction.apply(
-                x_, w_ekn, offs_, quantizer_factory(recipe), recipe.token_block_rows), [x], offs, w_ekn.shape[0])
+                x_, w_ekn, offs_, quantizer_factory(recipe), recipe.token_block_rows), [x], offs, w_ekn.shape[0],
+                keep=self.spec.keep_padding)
         state = delayed or (None,) * 4
         return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, recipe, *state),
-                           [x], offs, w_ekn.shape[0])
+                           [x], offs, w_ekn.shape[0], keep=self.spec.keep_padding)
 
     def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: Optional[torch.Tensor],
-               experts: int) -> torch.Tensor:
+               experts: int, *, tokens: Optional[int] = None, keep: bool = False) -> torch.Tensor:
         """``gemm(*rows, offs)`` -> [M, N], on tensors [M, *] with every expert's rows padded with zero
         rows to ``spec.align`` first (none when 1) and the output's rows gathered back after; offs
-        None: ``experts`` equal groups."""
-        m = next(t for t in rows if t is not None).shape[0]
+        None: ``experts`` equal groups.
+
+        ``tokens``: the rows come padded already, [P, *] made from M = ``tokens`` token rows (the
+        previous grouped GEMM's output under ``keep_padding``); ``keep``: return the padded output
+        [P, N] itself. Padding rows are zeros, and stay zeros through the GEMMs and an activation
+        with act(0) = 0, so they change no expert's amax and add nothing to its weight gradient."""
+        first = next(t for t in rows if t is not None)
+        m = first.shape[0] if tokens is None else tokens
         if offs is None:
-            offs = equal_group_offsets(m, experts, rows[0].device)
+            offs = equal_group_offsets(m, experts, first.device)
         offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
         if self.spec.align == 1:
             return gemm(*rows, offs)
         dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
-        padded = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t) for t in rows]
-        return GatherRows.apply(gemm(*padded, padded_offs), dest)
+        if tokens is None:
+            rows = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t)
+                    for t in rows]
+        y = gemm(*rows, padded_offs)
+        return y if keep else GatherRows.apply(y, dest)
 
     def __repr__(self) -> str:
         return f"GroupedLinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

@@ -5,7 +5,10 @@ operation with it (lowerings/activation_fusion.py). Runs after the linear pass, 
     a = F.silu(g) * u; y = down_proj(a)            -> y = te_swiglu_linear(g, u, g, down.w, None)
 
 The same for the activation between an MoE layer's two expert GEMMs, fused into the second grouped
-GEMM (lowerings/grouped_linear.py) with per-expert scales.
+GEMM (lowerings/grouped_linear.py) with per-expert scales. Where the grouped GEMMs pad every expert's
+rows (the native grouped GEMM's 16) and h and u come straight from grouped GEMMs on the same groups,
+read by nothing else, those keep their output padded and the fused call reads it as it is: an expert
+MLP pads its tokens once and unpads them once, not once per GEMM ([M, FFN]-sized copies each way).
 
 An activation is fused when one linear under a per-tensor recipe is its only reader (through casts,
 views keeping the last dim, dropout(p=0)); otherwise the report row says why not. One row per
@@ -19,6 +22,7 @@ calls (same ops, same bytes) and differentiates with autograd.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -144,25 +148,68 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
             record(False, f"{linear_name(reader)}: {why}", linear.spec.recipe.name)
             continue
         grouped = isinstance(linear, GroupedLinearLowering)
+        padded_by = _padding_producers(reader, kind, linear, h, u) if grouped else []
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe,
-                                    False if grouped else linear.spec.weight_in_out, reader.casts)
+                                    False if grouped else linear.spec.weight_in_out, reader.casts,
+                                    padded_inputs=bool(padded_by))
         record(True, f"fused into {linear_name(reader)}" + (" (grouped GEMM)" if grouped else "")
                + (" (tanh GELU)" if kind.endswith("_tanh") else "")
+               + (", its inputs left padded by the expert GEMMs before it" if padded_by else "")
                + _storage_note(linear.spec.recipe), linear.spec.recipe.name)
+        for p in padded_by:   # h and u stay as these grouped GEMMs padded them
+            p.target = GroupedLinearLowering(replace(p.target.spec, keep_padding=True))
         lowering = (ActivationGroupedLinearLowering(spec, linear) if grouped
                     else ActivationLinearLowering(spec, linear))
-        _replace(scope.graph, reader, lowering, h, u)
+        _replace(scope.graph, reader, lowering, h, u, padded_by[0].args[0] if padded_by else None)
         count += 1
     return count
 
 
-def _replace(graph: fx.Graph, reader, lowering: ActivationLinearLowering, h: fx.Node, u: Optional[fx.Node]) -> None:
-    """The linear call becomes ``lowering(h, u, shape, weight, bias, *delayed)``."""
+def _replace(graph: fx.Graph, reader, lowering, h: fx.Node, u: Optional[fx.Node],
+             shape: Optional[fx.Node] = None) -> None:
+    """The linear call becomes ``lowering(h, u, shape, weight, bias, *delayed)`` (grouped: ``weight,
+    offs, *delayed``); ``shape``: the reader's views replayed on h unless given."""
     going = dying([reader]) - {reader.node}
-    with graph.inserting_before(reader.node):
-        shape = view_inputs(reader, h, graph)
+    if shape is None:
+        with graph.inserting_before(reader.node):
+            shape = view_inputs(reader, h, graph)
     replace_with_call(reader.node, lowering, (h, u, shape, *reader.node.args[1:]))
     erase_nodes(going)   # the casts and views only the linear read
+
+
+def _padding_producers(reader: Reader, kind: str, grouped: GroupedLinearLowering, h: fx.Node,
+                       u: Optional[fx.Node]) -> list[fx.Node]:
+    """The grouped calls making h (and u) when they can hand their padded rows to the fused call, else
+    []: the GEMMs pad (align > 1), both are grouped calls on the fused GEMM's groups (the same offs
+    node) and token count, and nothing but the activation on its way to ``reader`` reads them.
+    act(0) = 0 for every built-in kind, so padding rows stay zero; a hand-written (custom)
+    activation is not assumed to keep them."""
+    producers = list(dict.fromkeys(t for t in (h, u) if t is not None))
+    offs = reader.node.args[2]   # the grouped call's (x, w, offs, *delayed)
+    if grouped.spec.align == 1 or kind == "custom":
+        return []
+    for p in producers:
+        if not (p.op == "call_function" and isinstance(p.target, GroupedLinearLowering) and p.args[2] is offs
+                and p.target.spec.align == grouped.spec.align and not p.target.spec.keep_padding
+                and _read_only_on_the_way_to(p, reader.node)):
+            return []
+    tokens = {(shape_of(p.args[0]) or (None,))[0] for p in producers}
+    return producers if len(tokens) == 1 and None not in tokens else []
+
+
+def _read_only_on_the_way_to(node: fx.Node, reader: fx.Node) -> bool:
+    """Whether every read of ``node`` leads to ``reader`` through pure ops (the activation's own,
+    which the fused call replaces) or ends in one nothing reads."""
+    todo, seen = list(node.users), set()
+    while todo:
+        user = todo.pop()
+        if user is reader or user in seen:
+            continue
+        seen.add(user)
+        if user.op not in ("call_function", "call_method") or user.is_impure():
+            return False
+        todo += list(user.users)
+    return True
 
 
 def _elementwise_region(out: fx.Node) -> Optional[tuple[fx.Node, list[fx.Node]]]:
