@@ -561,12 +561,30 @@ def test_swiglu_fused_into_the_second_grouped_gemm_gives_the_unfused_bits(recipe
         assert_bitwise_equal(fused_grads[name], plain_grads[name], f"{name}.grad")
 
 
+class GateUpExperts(nn.Module):
+    """HF Mixtral's form: one gate_up GEMM [E, 2 * hidden, dim], its output chunked into gate and up."""
+
+    def __init__(self, dim=K, hidden=N, experts=E):
+        super().__init__()
+        self.gate_up = nn.Parameter(torch.randn(experts, 2 * hidden, dim) / dim**0.5)
+        self.down = nn.Parameter(torch.randn(experts, dim, hidden) / hidden**0.5)
+
+    def forward(self, x, tokens_per_expert):
+        offs = torch.cumsum(tokens_per_expert, dim=0, dtype=torch.int32)
+        gate_up = torch._grouped_mm(x.bfloat16(), self.gate_up.bfloat16().transpose(-2, -1), offs=offs)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch._grouped_mm(F.silu(gate) * up, self.down.bfloat16().transpose(-2, -1), offs=offs).type_as(x)
+
+
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
-def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the_same_bits(monkeypatch, recipe):
+@pytest.mark.parametrize("experts,gemms", [(GroupedExperts, 3), (GateUpExperts, 2)], ids=["w1-w3", "gate-up-chunked"])
+def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the_same_bits(monkeypatch, recipe,
+                                                                                           experts, gemms):
     # where the grouped GEMMs pad every expert's rows (16 for an sm90 GPU's grouped GEMMs; the CPU
     # needs none, so the test asks for it), the gate and up GEMMs hand their padded rows to the fused
-    # SwiGLU + down GEMM: one gather back to token rows for the three GEMMs instead of one each, and
-    # padding rows that stay zero change no scale and no gradient
+    # SwiGLU + down GEMM: one gather back to token rows for the expert MLP instead of one per GEMM
+    # (three GEMMs, or two with HF's chunked gate_up GEMM), and padding rows that stay zero change no
+    # scale and no gradient
     from te_compile.lowerings.grouped_linear import GatherRows
     from te_compile.passes import grouped_linear as grouped_pass
 
@@ -581,7 +599,7 @@ def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the
         torch._dynamo.reset()
         te_compile.reset()
         torch.manual_seed(0)
-        model = GroupedExperts()
+        model = experts()
         compiled = torch.compile(model, backend="te", fullgraph=True,
                                  options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
         gathers.clear()
@@ -597,7 +615,7 @@ def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the
         results.values()
     assert kept_reason == "fused into <root> (grouped GEMM), its inputs left padded by the expert GEMMs before it"
     assert reason == "fused into <root> (grouped GEMM)"   # nothing to keep without padding
-    assert apart_gathers > 0 and kept_gathers * 3 == apart_gathers, (kept_gathers, apart_gathers)
+    assert apart_gathers > 0 and kept_gathers * gemms == apart_gathers, (kept_gathers, apart_gathers)
     for other, other_grads in ((apart, apart_grads), (plain, plain_grads)):
         for step, (a, b) in enumerate(zip(kept, other)):
             assert_bitwise_equal(a, b, f"output, step {step + 1}")

@@ -6,8 +6,8 @@ operation with it (lowerings/activation_fusion.py). Runs after the linear pass, 
 
 The same for the activation between an MoE layer's two expert GEMMs, fused into the second grouped
 GEMM (lowerings/grouped_linear.py) with per-expert scales. Where the grouped GEMMs pad every expert's
-rows (the native grouped GEMM's 16) and h and u come straight from grouped GEMMs on the same groups,
-read by nothing else, those keep their output padded and the fused call reads it as it is: an expert
+rows (the native grouped GEMM's 16) and h and u come from grouped GEMMs on the same groups (or from
+one, chunked along its last dim), read by nothing else, those keep their output padded and the fused call reads it as it is: an expert
 MLP pads its tokens once and unpads them once, not once per GEMM ([M, FFN]-sized copies each way).
 
 An activation is fused when one linear under a per-tensor recipe is its only reader (through casts,
@@ -22,6 +22,7 @@ calls (same ops, same bytes) and differentiates with autograd.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import replace
 from typing import Optional
 
@@ -53,6 +54,8 @@ _OPS = {"gelu": "gelu", "gelu_tanh": "gelu", "relu": "relu", "relu2": "relu2", "
 _ARITH = {"mul", "add", "sub", "truediv", "div", "neg", "pow", "__pow__", "__mul__", "__add__", "__sub__",
           "__truediv__", "__rmul__", "__radd__", "exp", "square"}
 _TRANSCENDENTAL = {"tanh", "sigmoid", "erf"}
+# ops that cut a tensor into pieces (read through getitem)
+_CUTS = ("chunk", "split", "tensor_split")
 
 
 def _storage_note(recipe) -> str:
@@ -184,17 +187,36 @@ def _padding_producers(reader: Reader, kind: str, grouped: GroupedLinearLowering
     node) and token count, and nothing but the activation on its way to ``reader`` reads them.
     act(0) = 0 for every built-in kind, so padding rows stay zero; a hand-written (custom)
     activation is not assumed to keep them."""
-    producers = list(dict.fromkeys(t for t in (h, u) if t is not None))
-    offs = reader.node.args[2]   # the grouped call's (x, w, offs, *delayed)
     if grouped.spec.align == 1 or kind == "custom":
         return []
+    producers = [_grouped_call_behind(t) for t in (h, u) if t is not None]
+    if None in producers:
+        return []
+    producers = list(dict.fromkeys(producers))
+    offs = reader.node.args[2]   # the grouped call's (x, w, offs, *delayed)
     for p in producers:
-        if not (p.op == "call_function" and isinstance(p.target, GroupedLinearLowering) and p.args[2] is offs
+        if not (p.args[2] is offs
                 and p.target.spec.align == grouped.spec.align and not p.target.spec.keep_padding
                 and _read_only_on_the_way_to(p, reader.node)):
             return []
-    tokens = {(shape_of(p.args[0]) or (None,))[0] for p in producers}
-    return producers if len(tokens) == 1 and None not in tokens else []
+    # one token count M (a SymInt under dynamic shapes: compared, not hashed)
+    tokens = [(shape_of(p.args[0]) or (None,))[0] for p in producers]
+    if any(t is None for t in tokens) or any(t is not tokens[0] and t != tokens[0] for t in tokens):
+        return []
+    return producers
+
+
+def _grouped_call_behind(t: fx.Node) -> Optional[fx.Node]:
+    """The grouped call whose output ``t`` is, itself or a piece of it cut along the last dim (HF's
+    ``gate_up(x).chunk(2, dim=-1)``: rows stay rows, padded or not), else None."""
+    if t.op == "call_function" and t.target is operator.getitem and method_or_name(t.args[0]) in _CUTS:
+        cut = t.args[0]
+        dim = cut.kwargs.get("dim", cut.args[2] if len(cut.args) > 2 else 0)
+        rank = len(shape_of(cut.args[0]) or ())
+        t = cut.args[0] if rank and dim in (-1, rank - 1) else None
+    if isinstance(t, fx.Node) and t.op == "call_function" and isinstance(t.target, GroupedLinearLowering):
+        return t
+    return None
 
 
 def _read_only_on_the_way_to(node: fx.Node, reader: fx.Node) -> bool:
