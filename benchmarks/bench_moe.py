@@ -9,8 +9,10 @@ measured side by side in one run.
 The layer (``MoELayer``, written as torchtitan writes one): a router (``nn.Linear``, top-k of a
 softmax), each token's copies sorted by expert, the experts as three grouped GEMMs with a SwiGLU
 (``te_compile.models.Experts``: 3-D weights through ``torch._grouped_mm`` in bf16), and the weighted
-sum back to the tokens. Shapes: Mixtral-like (E = 8, top-2, hidden 4096, ffn 14336) and small experts
-(E = 64, top-8, hidden 2048, ffn 1408), 16k tokens, on CUDA; scaled down on CPU.
+sum back to the tokens. Shapes: Mixtral-like (E = 8, top-2, hidden 4096, ffn 14336), small experts
+(E = 64, top-8, hidden 2048, ffn 1408), DeepSeek-V3's experts (hidden 7168, ffn 2048, top-8; 64 of its
+256 experts, to fit one GPU) and Qwen3-30B-A3B's (E = 128, top-8, hidden 2048, ffn 768), 16k tokens,
+on CUDA; scaled down on CPU.
 
 Providers: ``inductor`` (torch.compile in high precision: the experts' grouped GEMMs in bf16 as the
 model casts them, the rest bf16 on CUDA and fp32 on CPU); ``te <Recipe>`` (torch.compile with
@@ -49,10 +51,16 @@ from te_compile.models import Experts  # noqa: E402
 
 # name -> (experts, top-k, hidden, ffn, tokens), per device
 SHAPES = {
-    "cuda": {"mixtral": (8, 2, 4096, 14336, 16384), "small experts": (64, 8, 2048, 1408, 16384)},
-    "cpu": {"mixtral": (8, 2, 256, 512, 1024), "small experts": (32, 8, 128, 96, 512)},
+    # DeepSeek-V3's routed experts (hidden 7168, FFN 2048, top-8) with 64 of its 256 experts, so that
+    # the bf16 weights and their gradients (11 GB, not 45) leave an 80 GB GPU room for the rest;
+    # Qwen3-30B-A3B's (128 experts, hidden 2048, FFN 768, top-8)
+    "cuda": {"mixtral": (8, 2, 4096, 14336, 16384), "small experts": (64, 8, 2048, 1408, 16384),
+             "deepseek-v3": (64, 8, 7168, 2048, 16384), "qwen3-moe": (128, 8, 2048, 768, 16384)},
+    "cpu": {"mixtral": (8, 2, 256, 512, 1024), "small experts": (32, 8, 128, 96, 512),
+            "deepseek-v3": (16, 8, 224, 64, 512), "qwen3-moe": (32, 8, 128, 48, 512)},
     # the lease kit's --dry: the same code paths in seconds
-    "dry": {"mixtral": (4, 2, 32, 64, 64), "small experts": (8, 4, 32, 32, 64)},
+    "dry": {"mixtral": (4, 2, 32, 64, 64), "small experts": (8, 4, 32, 32, 64),
+            "deepseek-v3": (8, 4, 64, 32, 64), "qwen3-moe": (8, 4, 32, 32, 64)},
 }
 # lease part providers; "E4M3" puts the gradients in E4M3 (HYBRID's E5M2 has no scaled grouped GEMM)
 LEASE_PROVIDERS = ("bf16", "te Float8CurrentScaling", "te Float8CurrentScaling E4M3", "torchao MoE float8 rowwise")
