@@ -578,13 +578,13 @@ class GateUpExperts(nn.Module):
 
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
 @pytest.mark.parametrize("experts,gemms", [(GroupedExperts, 3), (GateUpExperts, 2)], ids=["w1-w3", "gate-up-chunked"])
-def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the_same_bits(monkeypatch, recipe,
-                                                                                           experts, gemms):
+def test_an_expert_mlp_padded_for_the_native_gemms_pads_its_rows_once_with_the_same_bits(monkeypatch, recipe, experts,
+                                                                                         gemms):
     # where the grouped GEMMs pad every expert's rows (16 for an sm90 GPU's grouped GEMMs; the CPU
-    # needs none, so the test asks for it), the gate and up GEMMs hand their padded rows to the fused
-    # SwiGLU + down GEMM: one gather back to token rows for the expert MLP instead of one per GEMM
-    # (three GEMMs, or two with HF's chunked gate_up GEMM), and padding rows that stay zero change no
-    # scale and no gradient
+    # needs none, so the test asks for it), the expert MLP's tokens are padded once before the gate
+    # and up GEMMs and gathered back once after the fused SwiGLU + down GEMM: one gather instead of
+    # one per GEMM (three GEMMs, or two with HF's chunked gate_up GEMM), and padding rows that stay
+    # zero change no scale and no gradient
     from te_compile.lowerings.grouped_linear import GatherRows
     from te_compile.passes import grouped_linear as grouped_pass
 
@@ -613,7 +613,7 @@ def test_an_expert_mlp_padded_for_the_native_gemms_unpads_its_rows_once_with_the
                                 rows["swiglu"].reason)
     (kept, kept_grads, kept_gathers, kept_reason), (apart, apart_grads, apart_gathers, _), (plain, plain_grads, _, reason) = \
         results.values()
-    assert kept_reason == "fused into <root> (grouped GEMM), its inputs left padded by the expert GEMMs before it"
+    assert kept_reason == "fused into <root> (grouped GEMM), the expert MLP's tokens padded once for all its GEMMs"
     assert reason == "fused into <root> (grouped GEMM)"   # nothing to keep without padding
     assert apart_gathers > 0 and kept_gathers * gemms == apart_gathers, (kept_gathers, apart_gathers)
     for other, other_grads in ((apart, apart_grads), (plain, plain_grads)):

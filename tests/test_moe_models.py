@@ -149,10 +149,10 @@ def test_mixtral_trains_with_its_swiglu_inputs_saved_in_fp8(recipe):
     assert abs(final_low - final_high) <= 0.015 * final_high, f"{final_low:.4f} vs {final_high:.4f}"
 
 
-def test_mixtral_padded_for_the_native_grouped_gemms_keeps_its_padding_between_the_expert_gemms(monkeypatch):
+def test_mixtral_padded_for_the_native_grouped_gemms_pads_its_expert_tokens_once(monkeypatch):
     # transformers' grouped_mm experts (one gate_up GEMM chunked in two): with every expert's rows
-    # padded to 16, as on an sm90 GPU, the chunked halves reach the fused SwiGLU + down GEMM padded,
-    # and training takes the same steps as without padding
+    # padded to 16, as on an sm90 GPU, the tokens are padded once for the expert MLP's GEMMs, and
+    # training takes the same steps as without padding
     from te_compile.passes import grouped_linear as grouped_pass
 
     runs = {}
@@ -161,6 +161,6 @@ def test_mixtral_padded_for_the_native_grouped_gemms_keeps_its_padding_between_t
         runs[align] = train_moe("mixtral", torch.bfloat16, te=True)
     (padded, report), (plain, _) = runs[16], runs[1]
     swiglus = [s for s in report.sites if s.op == "swiglu" and "experts" in s.fqn]
-    assert len(swiglus) == 2 and all(s.reason.endswith("its inputs left padded by the expert GEMMs before it")
+    assert len(swiglus) == 2 and all(s.reason.endswith("the expert MLP's tokens padded once for all its GEMMs")
                                      for s in swiglus), str(report)
     assert padded == plain

@@ -124,9 +124,6 @@ class ActivationLinearSpec:
     weight_in_out: bool = False
     casts: tuple[torch.dtype, ...] = ()      # dtype casts between the activation and the linear
     fn: Optional[Callable] = None            # kind "custom": h -> a, the model's ops (an fx.GraphModule)
-    # grouped: h and u come as the grouped GEMMs before wrote them, every expert's rows padded
-    # (GroupedLinearSpec.keep_padding), and ``shape`` is their input [M, *], for M
-    padded_inputs: bool = False
 
 
 class ActFp8LinearFunction(torch.autograd.Function):
@@ -271,9 +268,7 @@ class ActivationGroupedLinearLowering:
 
     ``(h, u, shape, w, offs, *delayed) -> y``: h [M, K] the activation's input (u: swiglu's up half,
     else None); shape: a tensor of the GEMM input's shape; w [E, K, N] and offs as the grouped GEMM
-    reads them; delayed: DelayedScaling's carrier and [E] scales, or nothing. Under
-    ``spec.padded_inputs`` h and u are [P, K], padded as the grouped GEMMs that made them left them,
-    and shape is those GEMMs' input [M, *]: no copy unpads them and pads them again in between.
+    reads them; delayed: DelayedScaling's carrier and [E] scales, or nothing.
     """
 
     def __init__(self, spec: ActivationLinearSpec, grouped: GroupedLinearLowering) -> None:
@@ -287,7 +282,7 @@ class ActivationGroupedLinearLowering:
         h, u = h.reshape(-1, k), None if u is None else u.reshape(-1, k)
         return self._grouped.padded(
             lambda h_, u_, offs_: ActFp8GroupedLinearFunction.apply(self.spec, h_, u_, w_ekn, offs_, *state),
-            [h, u], offs, w_ekn.shape[0], tokens=shape.shape[0] if self.spec.padded_inputs else None)
+            [h, u], offs, w_ekn.shape[0])
 
     def __repr__(self) -> str:
         return f"ActivationGroupedLinearLowering({self.spec.kind} -> {self.spec.linear!r}, {self.spec.recipe.name})"

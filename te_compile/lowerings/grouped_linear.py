@@ -37,7 +37,8 @@ from ..scaling import quantize_per_expert, quantize_rows_per_group
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 
-__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "GatherRows", "Fp8GroupedLinearFunction",
+__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "GatherRows", "pad_expert_rows", "unpad_expert_rows",
+           "Fp8GroupedLinearFunction",
            "BlockGroupedLinearFunction", "expert_weight_operand", "grouped_fprop", "grouped_dgrad_wgrad"]
 
 
@@ -50,9 +51,6 @@ class GroupedLinearSpec:
     # pad every expert's rows to a multiple of this before the GEMMs (the native grouped GEMM's 16),
     # on the device; 1: no padding
     align: int = 1
-    # return the padded output rows [P, N] instead of gathering the M token rows back: the one reader
-    # is the next grouped GEMM of an expert MLP (activation_fusion.py), which takes them as they are
-    keep_padding: bool = False
 
 
 def _per_row(scale_inv: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
@@ -225,6 +223,32 @@ class GatherRows(torch.autograd.Function):
         return grad.new_zeros(ctx.padded_rows, *grad.shape[1:]).index_copy(0, dest, grad), None
 
 
+def _int32_offsets(offs: Optional[torch.Tensor], rows: int, experts: int, device) -> torch.Tensor:
+    """The group ends as the grouped GEMMs take them: int32 (transformers' fallback op also takes int64
+    offsets), ``experts`` equal groups of ``rows`` when None."""
+    if offs is None:
+        offs = equal_group_offsets(rows, experts, device)
+    return offs.to(torch.int32)
+
+
+def pad_expert_rows(x: torch.Tensor, offs: Optional[torch.Tensor], experts: int,
+                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (x with every expert's rows padded with zero rows to a multiple of ``align`` [P, K],
+    the padded offs int32 [E], dest int64 [M]: each token row's padded row). Called in the graph in
+    front of an expert MLP whose grouped GEMMs then run on the padded rows as they are
+    (passes/activation_fusion.py): one pad and one ``unpad_expert_rows`` for the MLP, not one of each per
+    GEMM. Zero rows stay zero through the GEMMs and an activation with act(0) = 0, so they change no
+    expert's amax and add nothing to its weight gradient."""
+    offs = _int32_offsets(offs, x.shape[0], experts, x.device)
+    dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], align)
+    return x.new_zeros(padded_rows, *x.shape[1:]).index_copy(0, dest, x), padded_offs, dest
+
+
+def unpad_expert_rows(y: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    """The token rows [M, N] of ``pad_expert_rows``' padded layout y [P, N]."""
+    return GatherRows.apply(y, dest)
+
+
 class GroupedLinearLowering:
     """Callable inserted into the FX graph for one grouped site: ``(x, w, offs) -> y`` (module
     docstring: shapes). The output has x's dtype, as ``torch._grouped_mm``'s does."""
@@ -242,35 +266,23 @@ class GroupedLinearLowering:
         recipe = self.spec.recipe
         if not recipe.per_tensor:
             return self.padded(lambda x_, offs_: BlockGroupedLinearFunction.apply(
-                x_, w_ekn, offs_, quantizer_factory(recipe), recipe.token_block_rows), [x], offs, w_ekn.shape[0],
-                keep=self.spec.keep_padding)
+                x_, w_ekn, offs_, quantizer_factory(recipe), recipe.token_block_rows), [x], offs, w_ekn.shape[0])
         state = delayed or (None,) * 4
         return self.padded(lambda x_, offs_: Fp8GroupedLinearFunction.apply(x_, w_ekn, offs_, recipe, *state),
-                           [x], offs, w_ekn.shape[0], keep=self.spec.keep_padding)
+                           [x], offs, w_ekn.shape[0])
 
     def padded(self, gemm: Callable, rows: list[Optional[torch.Tensor]], offs: Optional[torch.Tensor],
-               experts: int, *, tokens: Optional[int] = None, keep: bool = False) -> torch.Tensor:
+               experts: int) -> torch.Tensor:
         """``gemm(*rows, offs)`` -> [M, N], on tensors [M, *] with every expert's rows padded with zero
         rows to ``spec.align`` first (none when 1) and the output's rows gathered back after; offs
-        None: ``experts`` equal groups.
-
-        ``tokens``: the rows come padded already, [P, *] made from M = ``tokens`` token rows (the
-        previous grouped GEMM's output under ``keep_padding``); ``keep``: return the padded output
-        [P, N] itself. Padding rows are zeros, and stay zeros through the GEMMs and an activation
-        with act(0) = 0, so they change no expert's amax and add nothing to its weight gradient."""
-        first = next(t for t in rows if t is not None)
-        m = first.shape[0] if tokens is None else tokens
-        if offs is None:
-            offs = equal_group_offsets(m, experts, first.device)
-        offs = offs.to(torch.int32)   # transformers' fallback op also takes int64 offsets
+        None: ``experts`` equal groups."""
+        m = next(t for t in rows if t is not None).shape[0]
+        offs = _int32_offsets(offs, m, experts, rows[0].device)
         if self.spec.align == 1:
             return gemm(*rows, offs)
         dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
-        if tokens is None:
-            rows = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t)
-                    for t in rows]
-        y = gemm(*rows, padded_offs)
-        return y if keep else GatherRows.apply(y, dest)
+        padded = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t) for t in rows]
+        return GatherRows.apply(gemm(*padded, padded_offs), dest)
 
     def __repr__(self) -> str:
         return f"GroupedLinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

@@ -6,9 +6,10 @@ operation with it (lowerings/activation_fusion.py). Runs after the linear pass, 
 
 The same for the activation between an MoE layer's two expert GEMMs, fused into the second grouped
 GEMM (lowerings/grouped_linear.py) with per-expert scales. Where the grouped GEMMs pad every expert's
-rows (the native grouped GEMM's 16) and h and u come from grouped GEMMs on the same groups (or from
-one, chunked along its last dim), read by nothing else, those keep their output padded and the fused call reads it as it is: an expert
-MLP pads its tokens once and unpads them once, not once per GEMM ([M, FFN]-sized copies each way).
+rows (the native grouped GEMM's 16) and h and u come from grouped GEMMs of one x on the same groups
+(or from one, chunked along its last dim), read by nothing else, the expert MLP pads its tokens once
+in front of its GEMMs and gathers them back once after the last (``pad_expert_rows``,
+``unpad_expert_rows``), instead of a pad and a gather per GEMM ([M, FFN]-sized copies each way).
 
 An activation is fused when one linear under a per-tensor recipe is its only reader (through casts,
 views keeping the last dim, dropout(p=0)); otherwise the report row says why not. One row per
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 from ..distributed import is_dtensor
 from ..lowerings.activation_fusion import (ActivationGroupedLinearLowering, ActivationLinearLowering,
                                            ActivationLinearSpec)
-from ..lowerings.grouped_linear import GroupedLinearLowering
+from ..lowerings.grouped_linear import GroupedLinearLowering, pad_expert_rows, unpad_expert_rows
 from ..lowerings.linear import LinearLowering
 from ..report import SiteRecord
 from ..fx.editing import erase_nodes, replace_with_call
@@ -153,59 +154,85 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
         grouped = isinstance(linear, GroupedLinearLowering)
         padded_by = _padding_producers(reader, kind, linear, h, u) if grouped else []
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe,
-                                    False if grouped else linear.spec.weight_in_out, reader.casts,
-                                    padded_inputs=bool(padded_by))
+                                    False if grouped else linear.spec.weight_in_out, reader.casts)
         record(True, f"fused into {linear_name(reader)}" + (" (grouped GEMM)" if grouped else "")
                + (" (tanh GELU)" if kind.endswith("_tanh") else "")
-               + (", its inputs left padded by the expert GEMMs before it" if padded_by else "")
+               + (", the expert MLP's tokens padded once for all its GEMMs" if padded_by else "")
                + _storage_note(linear.spec.recipe), linear.spec.recipe.name)
-        for p in padded_by:   # h and u stay as these grouped GEMMs padded them
-            p.target = GroupedLinearLowering(replace(p.target.spec, keep_padding=True))
-        lowering = (ActivationGroupedLinearLowering(spec, linear) if grouped
-                    else ActivationLinearLowering(spec, linear))
-        _replace(scope.graph, reader, lowering, h, u, padded_by[0].args[0] if padded_by else None)
+        if padded_by:
+            _pad_once(scope.graph, reader, spec, linear, h, u, padded_by)
+        else:
+            _replace(scope.graph, reader, (ActivationGroupedLinearLowering(spec, linear) if grouped
+                                           else ActivationLinearLowering(spec, linear)), h, u)
         count += 1
     return count
 
 
-def _replace(graph: fx.Graph, reader, lowering, h: fx.Node, u: Optional[fx.Node],
-             shape: Optional[fx.Node] = None) -> None:
+def _replace(graph: fx.Graph, reader, lowering, h: fx.Node, u: Optional[fx.Node]) -> None:
     """The linear call becomes ``lowering(h, u, shape, weight, bias, *delayed)`` (grouped: ``weight,
-    offs, *delayed``); ``shape``: the reader's views replayed on h unless given."""
+    offs, *delayed``), shape: the reader's views replayed on h."""
     going = dying([reader]) - {reader.node}
-    if shape is None:
-        with graph.inserting_before(reader.node):
-            shape = view_inputs(reader, h, graph)
+    with graph.inserting_before(reader.node):
+        shape = view_inputs(reader, h, graph)
     replace_with_call(reader.node, lowering, (h, u, shape, *reader.node.args[1:]))
     erase_nodes(going)   # the casts and views only the linear read
 
 
 def _padding_producers(reader: Reader, kind: str, grouped: GroupedLinearLowering, h: fx.Node,
                        u: Optional[fx.Node]) -> list[fx.Node]:
-    """The grouped calls making h (and u) when they can hand their padded rows to the fused call, else
-    []: the GEMMs pad (align > 1), both are grouped calls on the fused GEMM's groups (the same offs
-    node) and token count, and nothing but the activation on its way to ``reader`` reads them.
-    act(0) = 0 for every built-in kind, so padding rows stay zero; a hand-written (custom)
-    activation is not assumed to keep them."""
+    """The grouped calls making h (and u) when the expert MLP can run on rows padded once, else []:
+    the GEMMs pad (align > 1), the calls read one x node on the fused GEMM's groups (its offs node)
+    and experts, and nothing but the activation on its way to ``reader`` reads them. act(0) = 0 for
+    every built-in kind, so padding rows stay zero; a hand-written (custom) activation is not
+    assumed to keep them."""
     if grouped.spec.align == 1 or kind == "custom":
         return []
     producers = [_grouped_call_behind(t) for t in (h, u) if t is not None]
     if None in producers:
         return []
     producers = list(dict.fromkeys(producers))
-    offs = reader.node.args[2]   # the grouped call's (x, w, offs, *delayed)
+    x, offs = producers[0].args[0], reader.node.args[2]   # grouped calls: (x, w, offs, *delayed)
+    experts = [(shape_of(p.args[1]) or (None,))[0] for p in (*producers, reader.node)]
+    if None in experts or len(set(experts)) != 1:
+        return []
     for p in producers:
-        if not (p.args[2] is offs
-                and p.target.spec.align == grouped.spec.align and not p.target.spec.keep_padding
+        if not (p.args[0] is x and p.args[2] is offs and p.target.spec.align == grouped.spec.align
                 and _read_only_on_the_way_to(p, reader.node)):
             return []
-    # one token count M (a SymInt under dynamic shapes: compared, not hashed)
-    tokens = [(shape_of(p.args[0]) or (None,))[0] for p in producers]
-    if any(t is None for t in tokens) or any(t is not tokens[0] and t != tokens[0] for t in tokens):
-        return []
     return producers
 
 
+def _pad_once(graph: fx.Graph, reader: Reader, spec: ActivationLinearSpec, grouped: GroupedLinearLowering,
+              h: fx.Node, u: Optional[fx.Node], producers: list[fx.Node]) -> None:
+    """The expert MLP on rows padded once: ``pad_expert_rows`` before the grouped calls making h and
+    u, those and the fused call on the padded rows without padding of their own (align 1 on the
+    padded offs), and one ``unpad_expert_rows`` after the fused call."""
+    x, experts = producers[0].args[0], shape_of(producers[0].args[1])[0]   # w: [E, *, *]
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    with graph.inserting_before(min(producers, key=order.__getitem__)):
+        pad = graph.call_function(pad_expert_rows, (x, reader.node.args[2], experts, grouped.spec.align))
+        padded_x, padded_offs, dest = (graph.call_function(operator.getitem, (pad, i)) for i in range(3))
+    for p in producers:
+        p.target = GroupedLinearLowering(replace(p.target.spec, align=1))
+        p.args = (padded_x, p.args[1], padded_offs, *p.args[3:])
+        _forget_value(p)   # [P, N] rows now, not the [M, N] traced
+    going = dying([reader]) - {reader.node}
+    _x, w, _offs, *delayed = reader.node.args
+    lowering = ActivationGroupedLinearLowering(spec, GroupedLinearLowering(replace(grouped.spec, align=1)))
+    # shape: h itself, since the reader's views would reshape [M, K] rows (the grouped form reads none)
+    fused = replace_with_call(reader.node, lowering, (h, u, h, w, padded_offs, *delayed))
+    erase_nodes(going)
+    with graph.inserting_after(fused):
+        out = graph.call_function(unpad_expert_rows, (fused, dest))
+    out.meta.update(fused.meta)
+    fused.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
+    _forget_value(fused)
+
+
+def _forget_value(node: fx.Node) -> None:
+    """Drop a node's traced value, whose shape it no longer has."""
+    for key in ("example_value", "val", "tensor_meta"):
+        node.meta.pop(key, None)
 def _grouped_call_behind(t: fx.Node) -> Optional[fx.Node]:
     """The grouped call whose output ``t`` is, itself or a piece of it cut along the last dim (HF's
     ``gate_up(x).chunk(2, dim=-1)``: rows stay rows, padded or not), else None."""
