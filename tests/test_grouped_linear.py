@@ -624,8 +624,9 @@ def test_an_expert_mlp_padded_for_the_native_gemms_pads_its_rows_once_with_the_s
 
 
 def test_gather_rows_backward_copies_rows_back_without_index_add():
-    # the padded GEMM output's rows gathered back: each row at most once, so the gradient is written
-    # back with index_copy, the same bits as autograd's index_add into zeros, without atomic adds
+    # the padded GEMM output's rows gathered back: each row at most once, so the gradient is gathered
+    # back to where the rows came from, zeros between, the same bits as autograd's index_add into
+    # zeros, without atomic adds and without a zero-filled buffer written first
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from te_compile.lowerings.grouped_linear import GatherRows
@@ -645,4 +646,23 @@ def test_gather_rows_backward_copies_rows_back_without_index_add():
     traced = make_fx(step)(padded.detach().requires_grad_(), grad)
     targets = [str(n.target) for n in traced.graph.nodes if n.op == "call_function"]
     assert not any("index_add" in t for t in targets), targets
-    assert any("index_copy" in t or "index_put" in t for t in targets), targets
+    filled = [n for n in traced.graph.nodes if n.op == "call_function" and "zeros" in str(n.target)
+              and n.meta["val"].numel() > 1]
+    assert not filled, filled   # the padded gradient [10, 4] is written once, by the gather
+
+
+def test_pad_rows_writes_token_rows_and_zeros_in_one_gather_and_reads_the_gradient_back():
+    from te_compile.lowerings.grouped_linear import PadRows, padding_sources
+
+    offs = _offs(COUNTS)
+    m = sum(COUNTS) + TAIL
+    dest, _, rows = pad_groups(offs, m, 16)
+    src = padding_sources(dest, m, rows)
+    x = torch.randn(m, K, dtype=torch.bfloat16, requires_grad=True)
+    ref = x.new_zeros(rows, K).index_copy(0, dest, x)
+    out = PadRows.apply(x, src, dest)
+    assert_bitwise_equal(out, ref, "padded rows")
+    g = torch.randn(rows, K, dtype=torch.bfloat16)
+    (got,) = torch.autograd.grad(out, x, g)
+    (ref_grad,) = torch.autograd.grad(ref, x, g)
+    assert_bitwise_equal(got, ref_grad, "gradient")

@@ -37,7 +37,8 @@ from ..scaling import quantize_per_expert, quantize_rows_per_group
 from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 
-__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "GatherRows", "pad_expert_rows", "unpad_expert_rows",
+__all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "GatherRows", "PadRows", "padding_sources",
+           "pad_expert_rows", "unpad_expert_rows",
            "Fp8GroupedLinearFunction",
            "BlockGroupedLinearFunction", "expert_weight_operand", "grouped_fprop", "grouped_dgrad_wgrad"]
 
@@ -204,23 +205,60 @@ class BlockGroupedLinearFunction(torch.autograd.Function):
         return dx, dw, None, None, None
 
 
-class GatherRows(torch.autograd.Function):
-    """``padded.index_select(0, dest)`` for a ``dest`` that names each row at most once (pad_groups'
-    map from token rows to padded rows), whose backward writes the gradient rows back with
-    ``index_copy`` into zeros. Autograd's own backward of index_select is ``index_add``, which must
-    allow repeated indices: atomic adds, in bf16 a compare-and-swap loop (2.4 ms a call at Mixtral's
-    shape, 16k x 14336, on an H100, three calls a layer)."""
+def padding_sources(dest: torch.Tensor, rows: int, padded_rows: int) -> torch.Tensor:
+    """int64 [P]: the token row each padded row holds, ``rows`` for a padding row (pad_groups' dest,
+    inverted)."""
+    src = torch.full((padded_rows,), rows, dtype=torch.int64, device=dest.device)
+    return src.index_copy(0, dest, torch.arange(rows, device=dest.device))
+
+
+def _rows_at(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """[P, *]: row src[p] of t, or zeros where src[p] is len(t), in one gather: no zero-filled [P, *]
+    buffer written first and copied into (a write of the whole padded tensor more, and a buffer the
+    partitioner moves into the forward and saves when it sits in a backward)."""
+    rows = t.shape[0]
+    if rows == 0:
+        return t.new_zeros(src.shape[0], *t.shape[1:])
+    picked = t.index_select(0, src.clamp(max=rows - 1))
+    return torch.where((src < rows).view(-1, *([1] * (t.dim() - 1))), picked, picked.new_zeros(()))
+
+
+class PadRows(torch.autograd.Function):
+    """x [M, K] -> [P, K]: x's rows where ``dest`` puts them, zero rows between (``src``: dest
+    inverted, ``padding_sources``). Backward reads each token row's gradient back with
+    ``index_select``: every row is read exactly once (autograd's backward of a gather would be an
+    ``index_add``)."""
 
     @staticmethod
-    def forward(ctx, padded: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, src: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(dest)
-        ctx.padded_rows = padded.shape[0]
-        return padded.index_select(0, dest)
+        return _rows_at(x, src)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         (dest,) = ctx.saved_tensors
-        return grad.new_zeros(ctx.padded_rows, *grad.shape[1:]).index_copy(0, dest, grad), None
+        return grad.index_select(0, dest), None, None
+
+
+class GatherRows(torch.autograd.Function):
+    """``padded.index_select(0, dest)`` for a ``dest`` that names each row at most once (pad_groups'
+    map from token rows to padded rows), whose backward writes the gradient rows back where they
+    came from and zeros elsewhere in one gather (``src``: dest inverted, ``padding_sources``; made
+    from dest when None). Autograd's own backward of index_select is ``index_add``, which must allow
+    repeated indices: atomic adds, in bf16 a compare-and-swap loop (2.4 ms a call at Mixtral's
+    shape, 16k x 14336, on an H100, three calls a layer)."""
+
+    @staticmethod
+    def forward(ctx, padded: torch.Tensor, dest: torch.Tensor, src: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if src is None:
+            src = padding_sources(dest, dest.shape[0], padded.shape[0])
+        ctx.save_for_backward(src)
+        return padded.index_select(0, dest)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (src,) = ctx.saved_tensors
+        return _rows_at(grad, src), None, None
 
 
 def _int32_offsets(offs: Optional[torch.Tensor], rows: int, experts: int, device) -> torch.Tensor:
@@ -232,21 +270,23 @@ def _int32_offsets(offs: Optional[torch.Tensor], rows: int, experts: int, device
 
 
 def pad_expert_rows(x: torch.Tensor, offs: Optional[torch.Tensor], experts: int,
-                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x with every expert's rows padded with zero rows to a multiple of ``align`` [P, K],
-    the padded offs int32 [E], dest int64 [M]: each token row's padded row). Called in the graph in
+    the padded offs int32 [E], dest int64 [M]: each token row's padded row, src int64 [P]: each
+    padded row's token row, M for padding). Called in the graph in
     front of an expert MLP whose grouped GEMMs then run on the padded rows as they are
     (passes/activation_fusion.py): one pad and one ``unpad_expert_rows`` for the MLP, not one of each per
     GEMM. Zero rows stay zero through the GEMMs and an activation with act(0) = 0, so they change no
     expert's amax and add nothing to its weight gradient."""
     offs = _int32_offsets(offs, x.shape[0], experts, x.device)
     dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], align)
-    return x.new_zeros(padded_rows, *x.shape[1:]).index_copy(0, dest, x), padded_offs, dest
+    src = padding_sources(dest, x.shape[0], padded_rows)
+    return PadRows.apply(x, src, dest), padded_offs, dest, src
 
 
-def unpad_expert_rows(y: torch.Tensor, dest: torch.Tensor) -> torch.Tensor:
+def unpad_expert_rows(y: torch.Tensor, dest: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """The token rows [M, N] of ``pad_expert_rows``' padded layout y [P, N]."""
-    return GatherRows.apply(y, dest)
+    return GatherRows.apply(y, dest, src)
 
 
 class GroupedLinearLowering:
@@ -281,8 +321,9 @@ class GroupedLinearLowering:
         if self.spec.align == 1:
             return gemm(*rows, offs)
         dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
-        padded = [None if t is None else t.new_zeros(padded_rows, *t.shape[1:]).index_copy(0, dest, t) for t in rows]
-        return GatherRows.apply(gemm(*padded, padded_offs), dest)
+        src = padding_sources(dest, m, padded_rows)
+        padded = [None if t is None else PadRows.apply(t, src, dest) for t in rows]
+        return GatherRows.apply(gemm(*padded, padded_offs), dest, src)
 
     def __repr__(self) -> str:
         return f"GroupedLinearLowering({self.spec.fqn!r}, {self.spec.recipe.name})"

@@ -211,7 +211,7 @@ def _pad_once(graph: fx.Graph, reader: Reader, spec: ActivationLinearSpec, group
     order = {n: i for i, n in enumerate(graph.nodes)}
     with graph.inserting_before(min(producers, key=order.__getitem__)):
         pad = graph.call_function(pad_expert_rows, (x, reader.node.args[2], experts, grouped.spec.align))
-        padded_x, padded_offs, dest = (graph.call_function(operator.getitem, (pad, i)) for i in range(3))
+        padded_x, padded_offs, dest, src = (graph.call_function(operator.getitem, (pad, i)) for i in range(4))
     for p in producers:
         p.target = GroupedLinearLowering(replace(p.target.spec, align=1))
         p.args = (padded_x, p.args[1], padded_offs, *p.args[3:])
@@ -223,7 +223,7 @@ def _pad_once(graph: fx.Graph, reader: Reader, spec: ActivationLinearSpec, group
     fused = replace_with_call(reader.node, lowering, (h, u, h, w, padded_offs, *delayed))
     erase_nodes(going)
     with graph.inserting_after(fused):
-        out = graph.call_function(unpad_expert_rows, (fused, dest))
+        out = graph.call_function(unpad_expert_rows, (fused, dest, src))
     out.meta.update(fused.meta)
     fused.replace_all_uses_with(out, delete_user_cb=lambda user: user is not out)
     _forget_value(fused)
