@@ -38,9 +38,8 @@ from ..tensor.grouped_float8_tensor import GroupedFloat8Tensor
 from ..tensor.quantized_tensor import QuantizedTensor, prepare_for_saving, restore_from_saved
 
 __all__ = ["GroupedLinearSpec", "GroupedLinearLowering", "GatherRows", "PadRows", "padding_sources",
-           "pad_expert_rows", "unpad_expert_rows",
-           "Fp8GroupedLinearFunction",
-           "BlockGroupedLinearFunction", "expert_weight_operand", "grouped_fprop", "grouped_dgrad_wgrad"]
+           "pad_expert_rows", "unpad_expert_rows", "Fp8GroupedLinearFunction", "BlockGroupedLinearFunction",
+           "expert_weight_operand", "grouped_fprop", "grouped_dgrad_wgrad"]
 
 
 @dataclass(frozen=True)
@@ -273,11 +272,11 @@ def pad_expert_rows(x: torch.Tensor, offs: Optional[torch.Tensor], experts: int,
                     align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] -> (x with every expert's rows padded with zero rows to a multiple of ``align`` [P, K],
     the padded offs int32 [E], dest int64 [M]: each token row's padded row, src int64 [P]: each
-    padded row's token row, M for padding). Called in the graph in
-    front of an expert MLP whose grouped GEMMs then run on the padded rows as they are
-    (passes/activation_fusion.py): one pad and one ``unpad_expert_rows`` for the MLP, not one of each per
-    GEMM. Zero rows stay zero through the GEMMs and an activation with act(0) = 0, so they change no
-    expert's amax and add nothing to its weight gradient."""
+    padded row's token row, M for padding). Called in the graph in front of an expert MLP whose
+    grouped GEMMs then run on the padded rows as they are (passes/activation_fusion.py): one pad and
+    one ``unpad_expert_rows`` for the MLP, not one of each per GEMM. Zero rows stay zero through the
+    GEMMs and an activation with act(0) = 0, so they change no expert's amax and add nothing to its
+    weight gradient."""
     offs = _int32_offsets(offs, x.shape[0], experts, x.device)
     dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], align)
     src = padding_sources(dest, x.shape[0], padded_rows)
