@@ -233,6 +233,8 @@ def _forget_value(node: fx.Node) -> None:
     """Drop a node's traced value, whose shape it no longer has."""
     for key in ("example_value", "val", "tensor_meta"):
         node.meta.pop(key, None)
+
+
 def _grouped_call_behind(t: fx.Node) -> Optional[fx.Node]:
     """The grouped call whose output ``t`` is, itself or a piece of it cut along the last dim (HF's
     ``gate_up(x).chunk(2, dim=-1)``: rows stay rows, padded or not), else None."""
