@@ -211,6 +211,13 @@ def padding_sources(dest: torch.Tensor, rows: int, padded_rows: int) -> torch.Te
     return src.index_copy(0, dest, torch.arange(rows, device=dest.device))
 
 
+def _padding(offs: torch.Tensor, rows: int, align: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dest, padded offs, src) for ``rows`` token rows grouped by ``offs``, every group padded to a
+    multiple of ``align`` rows (pad_groups, and its map inverted)."""
+    dest, padded_offs, padded_rows = pad_groups(offs, rows, align)
+    return dest, padded_offs, padding_sources(dest, rows, padded_rows)
+
+
 def _rows_at(t: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """[P, *]: row src[p] of t, or zeros where src[p] is len(t), in one gather: no zero-filled [P, *]
     buffer written first and copied into (a write of the whole padded tensor more, and a buffer the
@@ -277,9 +284,7 @@ def pad_expert_rows(x: torch.Tensor, offs: Optional[torch.Tensor], experts: int,
     one ``unpad_expert_rows`` for the MLP, not one of each per GEMM. Zero rows stay zero through the
     GEMMs and an activation with act(0) = 0, so they change no expert's amax and add nothing to its
     weight gradient."""
-    offs = _int32_offsets(offs, x.shape[0], experts, x.device)
-    dest, padded_offs, padded_rows = pad_groups(offs, x.shape[0], align)
-    src = padding_sources(dest, x.shape[0], padded_rows)
+    dest, padded_offs, src = _padding(_int32_offsets(offs, x.shape[0], experts, x.device), x.shape[0], align)
     return PadRows.apply(x, src, dest), padded_offs, dest, src
 
 
@@ -319,8 +324,7 @@ class GroupedLinearLowering:
         offs = _int32_offsets(offs, m, experts, rows[0].device)
         if self.spec.align == 1:
             return gemm(*rows, offs)
-        dest, padded_offs, padded_rows = pad_groups(offs, m, self.spec.align)
-        src = padding_sources(dest, m, padded_rows)
+        dest, padded_offs, src = _padding(offs, m, self.spec.align)
         padded = [None if t is None else PadRows.apply(t, src, dest) for t in rows]
         return GatherRows.apply(gemm(*padded, padded_offs), dest, src)
 
