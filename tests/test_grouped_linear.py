@@ -534,27 +534,34 @@ def test_loading_expert_state_of_the_wrong_shape_names_the_key_and_the_shape():
 # ---- the activation between the expert GEMMs ----------------------------------------------------
 
 
+def _two_steps(experts, recipe: str, fuse: bool, x, counts, tokens: int):
+    """A fresh ``experts()`` compiled by te (activation fusion on or off), two steps on x: the first
+    ``tokens`` output rows of each step, and the parameters' summed gradients. Two, because
+    DelayedScaling's second step reads the state the first one left."""
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(0)
+    model = experts()
+    compiled = torch.compile(model, backend="te", fullgraph=True,
+                             options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
+    outs = []
+    for _ in range(2):
+        y = compiled(x, counts)[:tokens]
+        y.float().square().mean().backward()
+        outs.append(y.detach())
+    return outs, {n: p.grad for n, p in model.named_parameters()}
+
+
 @pytest.mark.parametrize("recipe", ["Float8CurrentScaling", "DelayedScaling"])
 def test_swiglu_fused_into_the_second_grouped_gemm_gives_the_unfused_bits(recipe):
     gen = seed(11)
     x, counts = torch.randn(sum(COUNTS), K, generator=gen), torch.tensor(COUNTS)
     results = []
     for fuse in (True, False):
-        torch._dynamo.reset()
-        te_compile.reset()
-        torch.manual_seed(0)
-        model = GroupedExperts()
-        compiled = torch.compile(model, backend="te", fullgraph=True,
-                                 options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
-        outs = []
-        for _ in range(2):   # DelayedScaling: the second step reads the state the first one left
-            y = compiled(x, counts)
-            y.float().square().mean().backward()
-            outs.append(y.detach())
+        results.append(_two_steps(GroupedExperts, recipe, fuse, x, counts, sum(COUNTS)))
         [row] = [s for s in te_compile.report().sites if s.op == "swiglu"]
         assert row.rewritten == fuse and (not fuse or row.reason == "fused into <root> (grouped GEMM)"), row
-        results.append((model.state_dict(), outs, {n: p.grad for n, p in model.named_parameters()}))
-    (_, fused, fused_grads), (_, plain, plain_grads) = results
+    (fused, fused_grads), (plain, plain_grads) = results
     for step, (a, b) in enumerate(zip(fused, plain)):
         assert_bitwise_equal(a, b, f"output, step {step + 1}")
     for name in fused_grads:
@@ -596,21 +603,10 @@ def test_an_expert_mlp_padded_for_the_native_gemms_pads_its_rows_once_with_the_s
     results = {}
     for align, fuse in ((16, True), (16, False), (1, True)):
         monkeypatch.setattr(grouped_pass, "_align", lambda site, recipe_, align=align: align)
-        torch._dynamo.reset()
-        te_compile.reset()
-        torch.manual_seed(0)
-        model = experts()
-        compiled = torch.compile(model, backend="te", fullgraph=True,
-                                 options={**OPTIONS, "recipe": recipe, "rewrite": {"activation": fuse}})
         gathers.clear()
-        outs = []
-        for _ in range(2):   # DelayedScaling: the second step reads the state the first one left
-            y = compiled(x, counts)
-            y[:sum(COUNTS)].float().square().mean().backward()
-            outs.append(y[:sum(COUNTS)].detach())
+        outs, grads = _two_steps(experts, recipe, fuse, x, counts, sum(COUNTS))
         rows = {s.op: s for s in te_compile.report().sites}
-        results[align, fuse] = (outs, {n: p.grad for n, p in model.named_parameters()}, len(gathers),
-                                rows["swiglu"].reason)
+        results[align, fuse] = (outs, grads, len(gathers), rows["swiglu"].reason)
     (kept, kept_grads, kept_gathers, kept_reason), (apart, apart_grads, apart_gathers, _), (plain, plain_grads, _, reason) = \
         results.values()
     assert kept_reason == "fused into <root> (grouped GEMM), the expert MLP's tokens padded once for all its GEMMs"
