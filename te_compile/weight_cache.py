@@ -1,11 +1,11 @@
-"""FP8 copies of the weights for inference graphs: quantized once, reused until the weight changes.
+"""FP8 copies of the weights: quantized once, reused until the weight changes.
 
-A training step must quantize every weight again (the optimizer moved it). A graph compiled under
-``torch.no_grad()`` / ``torch.inference_mode()`` serves calls in which the weights usually stay put:
-every decode step of ``generate()`` would otherwise re-read each weight in high precision to find its
-amax and write its FP8 bytes. There the backend hands the graph, instead of the parameter, a
-``Float8Tensor`` from this cache (an extra graph input, passes/inference_weights.py), and the linear
-lowerings take its bytes and scale as they are (the path FSDP2's FP8 all-gather takes).
+Inference. A graph compiled under ``torch.no_grad()`` / ``torch.inference_mode()`` serves calls in
+which the weights usually stay put: every decode step of ``generate()`` would otherwise re-read each
+weight in high precision to find its amax and write its FP8 bytes. There the backend hands the graph,
+instead of the parameter, a ``Float8Tensor`` from this cache (an extra graph input,
+passes/cached_weights.py), and the linear lowerings take its bytes and scale as they are (the path
+FSDP2's FP8 all-gather takes).
 
 The copy is made with the lowering's own quantization (``quantize_per_tensor`` with the weight's
 role): current scaling from the weight's amax, delayed scaling with the scale the graph keeps for the
@@ -14,14 +14,27 @@ its version counter moves (an optimizer step, ``load_state_dict``, any in-place 
 moves (``.to()``, a new tensor assigned), or under delayed scaling its scale changes (calibration,
 ``load_recipe_state_dict``). The cache holds one FP8 copy per weight and recipe, 1 byte per element
 beside the high-precision weight, and lets go of it with the weight (weak keys).
+
+Training (``cache_fp8_weights = true``). A step that accumulates gradients over several micro-batches
+runs the forward once per micro-batch, and the weights do not move between them: only the optimizer
+step changes them. With the key set, a training graph's linears read ``linked_fp8_weight(parameter)``
+instead of quantizing the weight themselves: the same cached copy, wrapped anew at each call in a
+``Float8Tensor`` that autograd links to the parameter, so the weight gradient the GEMMs compute flows
+into ``parameter.grad`` as before. The first micro-batch after a step quantizes (the version counter
+moved), the others reuse the bytes: TransformerEngine's ``is_first_microbatch``, without the flag.
+A changed weight gets its new copy in new buffers (the graph's input is not marked static), so a
+backward still to run from before the change reads the bytes its forward read.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .recipe import Recipe
@@ -29,7 +42,7 @@ from .scaling import quantize_per_tensor
 from .state import read_state
 from .tensor.float8_tensor import Float8Tensor
 
-__all__ = ["cached_fp8_weight", "cached_bytes"]
+__all__ = ["cached_fp8_weight", "linked_fp8_weight", "cached_bytes"]
 
 
 @dataclass
@@ -48,15 +61,19 @@ def _version_key(weight: torch.Tensor, scale: Optional[torch.Tensor]) -> tuple:
 
 
 def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached_fp8_weight",
-                      transposed: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+                      transposed: bool = False, dtype: Optional[torch.dtype] = None,
+                      in_place: bool = True) -> Float8Tensor:
     """The FP8 weight operand [N, K] of ``weight`` (stored [N, K]; [K, N] with ``transposed``, as
     GPT-2's Conv1D stores it) under the per-tensor ``recipe``, quantized from the weight cast to
     ``dtype`` when given (autocast's: the linear would cast it first): the cached copy when the weight
-    (and its delayed scale) has not changed since it was made, else a new one."""
+    (and its delayed scale) has not changed since it was made, else a new one, written over the old
+    copy's buffers when ``in_place``."""
     if not recipe.per_tensor:
-        raise ValueError(f"{where}: the inference weight cache takes per-tensor recipes, got {recipe.name}")
+        raise ValueError(f"{where}: the FP8 weight cache takes per-tensor recipes, got {recipe.name}")
     # the graph's scale, read and never created here: serving adds no recipe state
     scale = read_state(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
+    if is_fake(weight):
+        return _fake_copy(weight, recipe, transposed, dtype)
     key = _version_key(weight, scale)
     entries = _CACHE.setdefault(weight, {})
     entry = entries.get((recipe, transposed, dtype))
@@ -67,7 +84,8 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
         w_nk = w_nk.t().contiguous() if transposed else w_nk
         data, scale_inv, _ = quantize_per_tensor(w_nk, "weight", recipe, scale)
         data = data.view(torch.uint8)
-        if entry is not None and entry.tensor._data.shape == data.shape and entry.tensor._data.device == data.device:
+        if (in_place and entry is not None and entry.tensor._data.shape == data.shape
+                and entry.tensor._data.device == data.device):
             # written where the old copy lives: a graph under CUDA graphs reads its inputs at the
             # addresses it was recorded with (the placeholder is marked static)
             entry.tensor._data.copy_(data)
@@ -78,6 +96,48 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
                           dtype=dtype or weight.dtype)
     entries[(recipe, transposed, dtype)] = _Entry(key, tensor)
     return tensor
+
+
+def _fake_copy(weight: torch.Tensor, recipe: Recipe, transposed: bool, dtype: Optional[torch.dtype]) -> Float8Tensor:
+    """The copy's metadata for a fake ``weight`` (a compile's example input: DDPOptimizer's split graphs,
+    the offline model), made in the fake mode of the compile (the weight's own may be another)."""
+    shape = weight.shape[::-1] if transposed else weight.shape
+    with detect_fake_mode([weight]) or contextlib.nullcontext():
+        data = torch.empty(shape, dtype=torch.uint8, device=weight.device)
+        scale_inv = torch.empty(1, dtype=torch.float32, device=weight.device)
+    return Float8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=recipe.fp8_format.dtype_for("weight"),
+                        dtype=dtype or weight.dtype)
+
+
+class _LinkToWeight(torch.autograd.Function):
+    """A fresh ``Float8Tensor`` over the cached bytes whose gradient goes to ``weight``: the cached
+    object itself never enters autograd (it outlives the step)."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, cached: Float8Tensor, transposed: bool) -> Float8Tensor:
+        ctx.transposed = transposed
+        # the weight's own dtype (fp32 under autocast), though the bytes come from autocast's bf16 cast:
+        # the lowering then writes dw in fp32 straight from the wgrad GEMM, as for the plain weight
+        return Float8Tensor(data=cached._data, scale_inv=cached._scale_inv, fp8_dtype=cached._fp8_dtype,
+                            dtype=weight.dtype)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        # grad [N, K]; the parameter may be stored [K, N] (GPT-2's Conv1D)
+        return (grad.t() if ctx.transposed else grad), None, None
+
+
+def linked_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "linked_fp8_weight",
+                      transposed: bool = False, dtype: Optional[torch.dtype] = None) -> Float8Tensor:
+    """``cached_fp8_weight``'s copy for a training graph: a new ``Float8Tensor`` over the cached bytes,
+    linked to ``weight`` by autograd (its gradient, [N, K], becomes ``weight``'s) when grad is enabled
+    and ``weight`` requires it."""
+    # a new copy in new buffers when the weight changed: a backward still to run (a forward before the
+    # step, its backward after) keeps the bytes its forward read
+    cached = cached_fp8_weight(weight, recipe, where, transposed, dtype, in_place=False)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return cached
+    return _LinkToWeight.apply(weight, cached, transposed)
 
 
 def cached_bytes(weights) -> int:

@@ -389,7 +389,8 @@ def error_for(tmp_path, monkeypatch):
 def test_error_unknown_top_level_key(error_for):
     message = error_for('recipe = "DelayedScaling"\nrecipes = "x"\n')
     assert re.search(r"bad\.toml: recipes: unknown key; allowed keys: \['recipe', 'recipe_options', "
-                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'combo_kernels', 'distributed', "
+                     r"'rewrite', 'overrides', 'compiler', 'native_block_gemm', 'combo_kernels', "
+                     r"'cache_fp8_weights', 'distributed', "
                      r"'amax_group', 'mesh', 'inference', 'memory'\]", message), message
 
 

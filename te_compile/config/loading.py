@@ -47,7 +47,7 @@ __all__ = ["load_config", "config_from_dict", "resolve_config", "config_argument
 _ENV_VAR = "TE_COMPILE_CONFIG"
 _NONE_NAMES = ("none", "None")
 _TOP_KEYS = ("recipe", "recipe_options", "rewrite", "overrides", "compiler", "native_block_gemm", "combo_kernels",
-             "distributed", "amax_group", "mesh", "inference", "memory")
+             "cache_fp8_weights", "distributed", "amax_group", "mesh", "inference", "memory")
 _DISTRIBUTED_KEYS = ("amax_group", "expert_amax_group", "sharded_modules", "mesh", "pipeline_dims",
                      "context_parallel", "async_tp")
 _OVERRIDE_KEYS = ("modules", "recipe", "recipe_options", "offload_activations")
@@ -327,8 +327,10 @@ def config_from_dict(data: Mapping, source: str) -> TeConfig:
     native = _convert(data.get("native_block_gemm", TeConfig.native_block_gemm), bool,
                       "native_block_gemm", source)
     combo = _convert(data.get("combo_kernels", TeConfig.combo_kernels), bool, "combo_kernels", source)
+    cache = _convert(data.get("cache_fp8_weights", TeConfig.cache_fp8_weights), bool, "cache_fp8_weights", source)
     return TeConfig(recipe=recipe, rewrite=rewrite, overrides=overrides, compiler=compiler,
-                    native_block_gemm=native, combo_kernels=combo, distributed=_build_distributed(data, source),
+                    native_block_gemm=native, combo_kernels=combo, cache_fp8_weights=cache,
+                    distributed=_build_distributed(data, source),
                     inference=_build_inference(data.get("inference", {}), source),
                     memory=_build_memory(data.get("memory", {}), source), source=source)
 

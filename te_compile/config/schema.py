@@ -263,6 +263,10 @@ class TeConfig:
     # inductor's combo kernels for te's GPU graphs: independent small kernels (a DelayedScaling site's
     # 1 / scale, amax finishes) launched as one; off until a lease times it against the default
     combo_kernels: bool = False
+    # training: each weight quantized once per optimizer step, its FP8 copy reused by every
+    # gradient-accumulation micro-batch until the weight changes (weight_cache.py); 1 byte per weight
+    # element kept between steps, so off unless asked for
+    cache_fp8_weights: bool = False
     distributed: DistributedConfig = DistributedConfig()
     inference: InferenceConfig = InferenceConfig()
     memory: MemoryConfig = MemoryConfig()

@@ -123,7 +123,8 @@ class LinearLowering:
         (6 bytes an element: 352 MB for one 4096 x 14336 weight). The forward quantizes the same
         bf16 values either way."""
         spec = self.spec
-        return spec.recipe.per_tensor and not spec.rowwise and spec.async_tp is None and casts_weight_itself(weight)
+        return (spec.recipe.per_tensor and not spec.rowwise and spec.async_tp is None
+                and casts_weight_itself(weight, spec.recipe))
 
     def _linear(self, x, weight, bias, delayed) -> torch.Tensor:
         if self.spec.weight_first and x.dim() > 1:
@@ -171,11 +172,16 @@ class LinearLowering:
 # ---- the per-tensor path (current and delayed scaling) ------------------------------------------------
 
 
-def casts_weight_itself(weight: torch.Tensor) -> bool:
+def casts_weight_itself(weight: torch.Tensor, recipe) -> bool:
     """Whether a per-tensor Function (this one, the fused output layer's) takes ``weight`` in its own
-    dtype under autocast and casts it with ``weight_in_input_dtype``: a plain tensor. A DTensor runs
-    shard by shard and a quantized weight keeps its own path; their lowerings cast them first."""
-    return not is_dtensor(weight) and not isinstance(weight, QuantizedTensor)
+    dtype under autocast and casts it with ``weight_in_input_dtype``: a plain tensor, or one already in
+    the recipe's FP8 format (its bytes go in as they are; a cached copy of an fp32 weight, made from
+    its bf16 cast, keeps fp32 as its dtype so that dw comes out of the GEMM in fp32, as for the plain
+    weight). A DTensor runs shard by shard and a quantized weight of another format keeps its own
+    path; their lowerings cast them first."""
+    if is_dtensor(weight):
+        return False
+    return not isinstance(weight, QuantizedTensor) or weight_is_operand(weight, recipe)
 
 
 def weight_in_input_dtype(w_nk: torch.Tensor, dtype: torch.dtype, recipe) -> torch.Tensor:

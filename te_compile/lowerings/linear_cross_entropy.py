@@ -440,7 +440,7 @@ class LinearCrossEntropyLowering:
             x = norm_forward_reference(x.reshape(-1, x.shape[-1]), norm_w, norm_b, spec.norm)[0].reshape(x.shape)
             spec, norm_w, norm_b = self._autocast[1], None, None
         x = x.to(dtype)
-        if spec.recipe is None or not casts_weight_itself(weight):
+        if spec.recipe is None or not casts_weight_itself(weight, spec.recipe):
             weight = weight.to(dtype)   # else the FP8 function casts it itself (its forward says why)
         bias = bias.to(dtype) if bias is not None else None
         x_full = x_full.to(dtype) if x_full is not None else None

@@ -28,7 +28,8 @@ class PassContext:
     delayed: DelayedState              # DelayedScaling state inputs and the graph's update node
     amax_group: Optional[AmaxGroup] = None   # config.distributed.amax_group for this process
     expert_amax_group: Optional[AmaxGroup] = None   # config.distributed.expert_amax_group, resolved
-    # compiled with grad disabled: the linears read cached FP8 weights (inference_weights.py)
+    # compiled with grad disabled: the linears read cached FP8 weights (cached_weights.py; training
+    # graphs do under config.cache_fp8_weights)
     inference: bool = False
     cached_weights: dict = field(default_factory=dict)   # (weight input index, recipe) -> placeholder
     # [distributed] context_parallel, resolved: (the dim's group, this rank's index along it), or None

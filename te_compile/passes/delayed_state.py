@@ -207,11 +207,12 @@ class DelayedState:
 
     # ---- graph edits (all in the top-level graph) ----
 
-    def extra_input(self, source, prefix: str) -> list[fx.Node]:
+    def extra_input(self, source, prefix: str, static: bool = True) -> list[fx.Node]:
         """Top-level placeholders for the tensors ``source.tensors(args)`` gives at every call (an input
-        of another kind than the state's, e.g. passes/inference_weights.py's cached FP8 weights)."""
+        of another kind than the state's, e.g. passes/cached_weights.py's cached FP8 weights);
+        ``static``: the tensors stay at one address from call to call."""
         self.inputs.append(source)
-        return self._placeholders(prefix, source.tensors(self.example_inputs))
+        return self._placeholders(prefix, source.tensors(self.example_inputs), static)
 
     def _placeholders(self, prefix: str, tensors: list[torch.Tensor], static: bool = True) -> list[fx.Node]:
         """Placeholders after the existing inputs, with static-shape example values (``static``: also

@@ -43,7 +43,7 @@ from ..fx.gemm_operands import (BMM_FNS, LinearSite, batched_experts, grouped_op
                                 reaches_param, unbroadcast)
 from ..fx.graphs import GraphScope, ParamRef, module_fqn
 from .eligibility import shape_str, why_not_linear
-from .inference_weights import cached_weight
+from .cached_weights import cached_weight
 from .async_tp import async_tp_enabled, async_tp_form, column_groups
 from .context import PassContext
 
@@ -285,7 +285,7 @@ def _plan(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe, why: st
         return extra
     why += ctx.local_shard_note(site.param) + _weight_note(site, recipe)
     native, gemm_why = _gemm_path(site, recipe, ctx.config)
-    cached, rowwise, note = _inference_forms(ctx, scope, site, recipe, plain_groups)
+    cached, rowwise, note = _cached_forms(ctx, scope, site, recipe, plain_groups)
     why += note
     form = x = absorbed = None
     if async_tp_enabled(ctx.config) and is_dtensor(site.weight.meta.get("example_value")):
@@ -324,14 +324,18 @@ def _weight_note(site: LinearSite, recipe) -> str:
     return f"; weight is a {type(weight_value).__name__} of another format: dequantized first"
 
 
-def _inference_forms(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe,
-                     plain_groups: tuple) -> tuple[Optional[fx.Node], bool, str]:
+def _cached_forms(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe,
+                  plain_groups: tuple) -> tuple[Optional[fx.Node], bool, str]:
     """(the cached FP8 weight read instead of the weight, or None; one input scale per token?; the
-    report's note): what an inference graph does differently (inference_weights.py)."""
+    report's note): what an inference graph, or a training graph under ``cache_fp8_weights``, does
+    differently (cached_weights.py)."""
     note = ""
     cached = None if plain_groups != NO_GROUPS else cached_weight(ctx, scope, site, recipe)
-    if cached is not None:
+    if cached is not None and ctx.inference:
         note += "; weight quantized once, cached across calls until it changes (inference graph)"
+    elif cached is not None:
+        note += ("; weight quantized once per optimizer step, its FP8 copy reused by every micro-batch "
+                 "until the weight changes (cache_fp8_weights)")
     rowwise = (ctx.inference and recipe.per_tensor and ctx.config.inference.activation_scaling == "row"
                and plain_groups == NO_GROUPS and not is_dtensor(site.weight.meta.get("example_value")))
     if rowwise:
