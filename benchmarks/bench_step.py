@@ -45,7 +45,12 @@ CUDA-event-timed back-to-back steps) and ``peak_GiB`` (``torch.cuda.max_memory_a
 timed steps; on a CPU the process's peak RSS), with and without the optimizer step. The full step is
 then profiled (``--profile-steps``): a Chrome trace per provider in ``--trace-dir`` and every kernel in
 ``--kernels-csv``. te's rows say how many of the model's linears its report shows rewritten and
-whether the output layer and loss were fused.
+whether the output layer and loss were fused. ``--micro-batches N`` makes a step N forward + backward
+passes with their gradients accumulated, then the optimizer step (tokens per second count all N): the
+shape of training with gradient accumulation, where ``te Float8CurrentScaling cached weights`` (the
+``cache_fp8_weights`` key) quantizes each weight once per step instead of once per micro-batch. Its
+``fwd+bwd`` rows reuse the copies in every micro-batch (no optimizer step moves the weights there):
+compare the full steps.
 
 Memory plan at the real shape (``--plan``; 1 x 8192 tokens, 4 layers), an upper bound that holds
 every term at once:
@@ -110,6 +115,10 @@ OFFLOAD_PROVIDERS = ("bf16" + OFFLOAD, "te Float8CurrentScaling" + OFFLOAD)
 # by name only (the lease kit's combo part): te with inductor's combo kernels (the combo_kernels key)
 COMBO = " combo"
 COMBO_PROVIDERS = ("te Float8CurrentScaling" + COMBO, "te DelayedScaling" + COMBO)
+# by name only (the lease kit's accum part, with --micro-batches): te with the cache_fp8_weights key, each
+# weight quantized at the first micro-batch of a step and its FP8 copy reused by the others
+CACHED = " cached weights"
+CACHED_PROVIDERS = ("te Float8CurrentScaling" + CACHED,)
 _PART = "step"
 _LAUNCHED = "BENCH_STEP_LAUNCHED"   # the parent's time.time() when it started a child, for the child's startup_s
 _GiB = 2.0 ** 30
@@ -309,7 +318,8 @@ def _print_plan(cfg: LlamaConfig, n_layers: int, batch: int, tokens: int) -> Non
 
 
 def _shape(cfg: LlamaConfig, args: argparse.Namespace, what: str) -> str:
-    return f"{cfg.name} {args.layers}L {args.batch}x{args.tokens} {what}"
+    micro = f" x{args.micro_batches} micro-batches" if args.micro_batches > 1 else ""
+    return f"{cfg.name} {args.layers}L {args.batch}x{args.tokens}{micro} {what}"
 
 
 def _backend(provider: str, compiler: str, device: torch.device):
@@ -317,7 +327,8 @@ def _backend(provider: str, compiler: str, device: torch.device):
     go to ``compiler``: inductor, or aot_eager (te's passes and report, no code generated)."""
     offload = provider.endswith(OFFLOAD)
     combo = provider.endswith(COMBO)
-    provider = provider.removesuffix(OFFLOAD).removesuffix(COMBO)
+    cached = provider.endswith(CACHED)
+    provider = provider.removesuffix(OFFLOAD).removesuffix(COMBO).removesuffix(CACHED)
     if provider == "bf16" or provider.startswith("torchao"):
         if offload:
             _torch_offload_on(device)
@@ -328,8 +339,9 @@ def _backend(provider: str, compiler: str, device: torch.device):
 
     recipe = provider.split(" ", 1)[1]
     memory = {"memory": {"offload_activations": True}} if offload else {}
-    combo_kernels = {"combo_kernels": True} if combo else {}
-    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe], **memory, **combo_kernels)
+    keys = {"combo_kernels": combo, "cache_fp8_weights": cached}
+    return te_compile.backend(recipe=recipe, compiler=compiler, **TE_RECIPES[recipe], **memory,
+                              **{k: True for k, on in keys.items() if on})
 
 
 def _torch_offload_on(device: torch.device) -> None:
@@ -419,6 +431,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     cfg = DRY if args.dry else LLAMA3_8B
     device = torch.device("cpu" if args.dry else "cuda")
     common = {"batch": args.batch, "tokens": args.tokens, "layers": args.layers, "compile": args.compile,
+              "micro_batches": args.micro_batches,
               "compiler": args.compiler,
               "dtype": "bf16 autocast over fp32 weights", "optimizer": "AdamW(fused=True)", "dry": args.dry}
     if provider.startswith("torchao"):
@@ -447,9 +460,11 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
 
     def forward_backward() -> torch.Tensor:
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = compiled(x, y)
-        loss.backward()
+        # gradient accumulation: the same batch for every micro-batch (their cost is what is timed)
+        for _ in range(args.micro_batches):
+            with torch.autocast(device.type, dtype=torch.bfloat16):
+                loss = compiled(x, y) / args.micro_batches
+            loss.backward()
         return loss
 
     def train_step() -> torch.Tensor:
@@ -466,7 +481,7 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     # from the parent's launch of this process: interpreter, imports, CUDA context, the model built
     startup_s = time.time() - float(os.environ.get(_LAUNCHED, time.time()))
     t0 = time.perf_counter()
-    loss = train_step().item()            # the one compile
+    loss = train_step().item() * args.micro_batches   # the one compile; one micro-batch's loss
     first_s = time.perf_counter() - t0
     unique_graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     sdpa = _sdpa_backend(cfg, args, device)
@@ -484,7 +499,8 @@ def _run_child(args: argparse.Namespace, provider: str) -> int:
     if provider.endswith(OFFLOAD):
         _offload_row(args, provider, fwd_bwd_step, device, cfg, common)
     flops = step_flops(cfg, args.layers, args.batch, args.tokens)
-    n_tokens = args.batch * args.tokens
+    flops *= args.micro_batches
+    n_tokens = args.batch * args.tokens * args.micro_batches
 
     t0 = time.perf_counter()
     steps = {}
@@ -550,7 +566,7 @@ def _child_argv(args: argparse.Namespace, provider: str) -> list[str]:
     argv = [sys.executable, os.path.abspath(__file__), "--child", provider, "--jsonl", args.jsonl,
             "--kernels-csv", args.kernels_csv, "--trace-dir", args.trace_dir, "--code-dir", args.code_dir,
             "--layers", str(args.layers), "--tokens", str(args.tokens), "--batch", str(args.batch),
-            "--warmup", str(args.warmup), "--iters", str(args.iters),
+            "--warmup", str(args.warmup), "--iters", str(args.iters), "--micro-batches", str(args.micro_batches),
             "--profile-steps", str(args.profile_steps), "--compile", args.compile, "--compiler", args.compiler]
     return argv + (["--dry"] if args.dry else [])
 
@@ -647,7 +663,7 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--providers", nargs="+", default=list(PROVIDERS), metavar="NAME",
                         help=f"from {', '.join(repr(p) for p in PROVIDERS)} (default: all), or by name "
-                             f"{', '.join(repr(p) for p in OFFLOAD_PROVIDERS + COMBO_PROVIDERS)}")
+                             f"{', '.join(repr(p) for p in OFFLOAD_PROVIDERS + COMBO_PROVIDERS + CACHED_PROVIDERS)}")
     parser.add_argument("--jsonl", default="bench_step_results.jsonl", help="result rows are appended here")
     parser.add_argument("--kernels-csv", default="bench_step_kernels.csv", help="profiled kernels, appended")
     parser.add_argument("--trace-dir", default="bench_step_traces", help="one Chrome trace per provider")
@@ -658,6 +674,8 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="Llama blocks (default 4; --dry 2)")
     parser.add_argument("--tokens", type=int, help="sequence length (default 8192; --dry 64)")
     parser.add_argument("--batch", type=int, help="sequences per step (default 1)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="forward + backward passes per optimizer step, their gradients accumulated (default 1)")
     parser.add_argument("--warmup", type=int, help="untimed steps before each timing (default 3; --dry 1)")
     parser.add_argument("--iters", type=int, help="timed steps per measure (default 20; --dry 3)")
     parser.add_argument("--profile-steps", type=int, help="profiled full steps, 0 for none (default 3; --dry 1)")
@@ -674,12 +692,12 @@ def _parse(argv: Optional[list[str]]) -> argparse.Namespace:
     for key, default in (_DRY_RUN if args.dry else _REAL_RUN).items():
         if getattr(args, key) is None:
             setattr(args, key, default)
-    for key in ("layers", "tokens", "batch", "iters"):
+    for key in ("layers", "tokens", "batch", "iters", "micro_batches"):
         if getattr(args, key) < 1:
             parser.error(f"--{key} must be >= 1, got {getattr(args, key)}")
     if args.warmup < 0 or args.profile_steps < 0:
         parser.error(f"--warmup and --profile-steps must be >= 0, got {args.warmup} and {args.profile_steps}")
-    valid = PROVIDERS + OFFLOAD_PROVIDERS + COMBO_PROVIDERS
+    valid = PROVIDERS + OFFLOAD_PROVIDERS + COMBO_PROVIDERS + CACHED_PROVIDERS
     unknown = [p for p in args.providers + ([args.child] if args.child else []) if p not in valid]
     if unknown:
         parser.error(f"unknown provider(s) {unknown}; valid: {list(valid)}")

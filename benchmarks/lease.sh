@@ -41,6 +41,10 @@
 #          combo 110    bench_step.py's step with te's combo_kernels key (inductor's combo kernels), current
 #                       and delayed scaling, against the step part's te rows: offline it cuts the step's
 #                       launches from 410 to 279 and from 471 to 303 at the same bytes (two processes)
+#          accum 180    bench_step.py's step as 4 gradient-accumulation micro-batches + AdamW: bf16, te
+#                       Float8CurrentScaling, and te with cache_fp8_weights (each weight quantized once per
+#                       step): offline a micro-batch after the first moves 38.3 GB instead of 53.0 (three
+#                       processes, no profile)
 #          smoke 110    a Hugging Face Llama trains 50 steps under bf16 and te (two compiles): final loss
 #                       within 1% (44 s was not enough)
 #          tests 150    the CUDA tests (pytest -n 8, --junitxml), stopped by SIGINT so the summary is written
@@ -91,11 +95,11 @@ for arg in "$@"; do
     case "$arg" in
         --dry) DRY=1 ;;
         call1) parts+=(setup ceilings step moe) ;;
-        call2) parts+=(setup attention kernels offload combo smoke tests ncu) ;;
-        all) parts+=(setup ceilings step moe attention kernels offload combo smoke tests ncu block) ;;
-        setup|ceilings|step|moe|block|attention|kernels|offload|combo|smoke|ncu|tests) parts+=("$arg") ;;
+        call2) parts+=(setup attention kernels offload combo accum smoke tests ncu) ;;
+        all) parts+=(setup ceilings step moe attention kernels offload combo accum smoke tests ncu block) ;;
+        setup|ceilings|step|moe|block|attention|kernels|offload|combo|accum|smoke|ncu|tests) parts+=("$arg") ;;
         *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels offload combo" \
-                "smoke tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
+                "accum smoke tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(setup ceilings step moe)
@@ -129,7 +133,7 @@ budget() {
     case "$1" in
         setup) if [ -f "$SETUP_DONE" ]; then echo 10; else echo 35; fi ;;
         ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;;
-        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;;
+        attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;; accum) echo 180 ;;
         smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
     esac
 }
@@ -181,6 +185,14 @@ part_cmd() {
             "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --jsonl "$WORK/results.jsonl" \
                 --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" --code-dir "$WORK/code/combo" \
                 "${dry_flag[@]}" ;;
+        accum)
+            # gradient accumulation: full steps of 4 micro-batches; the cached provider's fwd+bwd rows
+            # reuse the copies throughout (no optimizer step between), so its full-step rows are the figure
+            local providers=("bf16" "te Float8CurrentScaling" "te Float8CurrentScaling cached weights")
+            [ "$DRY" = 1 ] && providers=("te Float8CurrentScaling cached weights")
+            "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --micro-batches 4 \
+                --jsonl "$WORK/results.jsonl" --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" \
+                --code-dir "$WORK/code/accum" --profile-steps 0 "${dry_flag[@]}" ;;
         smoke) "$PY" benchmarks/lease_parts.py smoke "${dry_flag[@]}" ;;
         ncu) "$PY" benchmarks/lease_parts.py ncu --budget "$2" "${dry_flag[@]}" ;;
         tests)

@@ -31,7 +31,9 @@ experts' backward GEMMs are scaled grouped GEMMs too), and, when torchao imports
 tensorwise`` (dense cases: ``convert_to_float8_training`` with its GPU GEMMs, possible because nothing
 runs) and ``torchao MoE float8 rowwise`` (the MoE case: bench_moe's ``quantize_`` of the experts,
 whose FP8 grouped GEMMs run eagerly between graph breaks and are not in the counts); ``torchao float8
-rowwise`` on request.
+rowwise`` and, for the dense cases, ``te Float8CurrentScaling cached weights`` (``cache_fp8_weights``:
+the graph of a gradient-accumulation micro-batch after the first, which reads each weight's FP8 copy)
+on request.
 
 Columns, per graph: launches (every Triton kernel and extern call the wrapper makes); tiny (Triton
 launches moving under 1 MB: amaxes, scales, zero fills, bound by launch latency, not bandwidth); te
@@ -138,6 +140,10 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
     Provider("te Float8CurrentScaling combo", _te("Float8CurrentScaling", combo_kernels=True), cases=_DENSE,
              default=False),
     Provider("te DelayedScaling combo", _te("DelayedScaling", combo_kernels=True), cases=_DENSE, default=False),
+    # [cache_fp8_weights]: the graph every micro-batch after the first runs (the weights' FP8 copies are
+    # graph inputs; the first micro-batch's quantization runs before the graph, eagerly, not counted)
+    Provider("te Float8CurrentScaling cached weights", _te("Float8CurrentScaling", cache_fp8_weights=True),
+             cases=_DENSE, default=False),
     # E4M3 gradients: the experts' backward GEMMs in torch._scaled_grouped_mm (E4M3 only) as well
     Provider("te Float8CurrentScaling E4M3", _te("Float8CurrentScaling", fp8_format="E4M3"), cases=("moe",)),
     Provider("torchao float8 tensorwise", lambda: "inductor", _torchao_dense("tensorwise"), _DENSE, torchao=True),
