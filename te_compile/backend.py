@@ -179,13 +179,32 @@ def _final_compiler(gm: fx.GraphModule, example_inputs: Sequence, config: TeConf
     if cacheable:
         patches["unsafe_marked_cacheable_functions"] = {**inductor_config.unsafe_marked_cacheable_functions,
                                                         **cacheable}
+    partition = _partition_settings(functorch_config)
     if offload is None:
-        return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+        with functorch_config.patch(partition):
+            return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
     patches["custom_partitioner_fn"] = offload
     # AOTAutograd's cache would skip the partition, and with it the report's offload rows; inductor's
     # FX graph cache still keeps the partitioned graphs
-    with functorch_config.patch(enable_autograd_cache=False):
+    with functorch_config.patch({**partition, "enable_autograd_cache": False}):
         return compile_fx(gm, example_inputs, inner_compile=_inner_compile, config_patches=patches)
+
+
+def _partition_settings(functorch_config) -> dict:
+    """The min-cut partitioner's settings for te's training graphs (inductor's).
+
+    torch counts a parameter as free to save for the backward (it lives anyway), so the partitioner
+    recomputes whatever derives from one cheaply in the backward rather than keep it: each FP8 site's
+    weight was cast again there, read in high precision (2 bytes an element in bf16, 4 in fp32), for
+    the dgrad GEMM's transposed copy, and delayed scaling's weight amax was a backward reduction of its
+    own. Counted at its size, the weight is not worth keeping when a derived FP8 copy is smaller: the
+    forward writes the transposed copy beside the row-major one from its one read of the weight (with
+    delayed scaling's amax in that pass) and keeps it for the backward, 1 byte an element held from
+    forward to backward, as TransformerEngine keeps its FP8 weights. A torch without the setting
+    partitions as before."""
+    if not hasattr(functorch_config, "treat_parameters_as_free_to_save"):
+        return {}
+    return {"treat_parameters_as_free_to_save": False}
 
 
 def _graph_device(example_inputs: Sequence) -> torch.device:

@@ -61,11 +61,18 @@ def fp8_max(fp8_dtype: torch.dtype) -> float:
         ) from None
 
 
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
-    """max|x| as an fp32 tensor of shape [1] (0 for an empty tensor)."""
+def tensor_amax(x: torch.Tensor, by_rows: bool = False) -> torch.Tensor:
+    """max|x| as an fp32 tensor of shape [1] (0 for an empty tensor).
+
+    ``by_rows``: the maxima of x's rows first, then theirs (the same value). Where the cast does not
+    wait for the amax (delayed scaling's, whose scale is known before x is read), inductor then computes
+    the row maxima in the cast's own pass over x, [N, K] read once for both; a whole-tensor amax is a
+    reduction kernel of its own, one more read of x."""
     numel = x.numel()
     if guard_or_false(numel == 0):
         return torch.zeros(1, dtype=torch.float32, device=x.device)
+    if by_rows and x.dim() >= 2 and statically_known_true(numel != 0):
+        return x.detach().abs().reshape(-1, x.shape[-1]).amax(dim=-1).amax().to(torch.float32).reshape(1)
     if statically_known_true(numel != 0) or x.dim() == 0:
         return x.detach().abs().amax().to(torch.float32).reshape(1)
     # A data-dependent row count (the tokens routed to one expert in a per-expert loop), which may be 0
@@ -246,7 +253,7 @@ def quantize_per_tensor(t: torch.Tensor, role: str, recipe: Recipe, scale: Optio
     scale_inv: 1 / scale when the caller computed it with its other scales' (``scale_invs``).
     """
     fp8_dtype = recipe.fp8_format.dtype_for(role)
-    amax = tensor_amax(t) if amax is None else amax
+    amax = tensor_amax(t, by_rows=scale is not None) if amax is None else amax
     if scale is None:
         scale = current_scale(amax, role, recipe)
     data = cast_to_fp8(t, scale, fp8_dtype)

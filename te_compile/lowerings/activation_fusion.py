@@ -136,7 +136,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
     def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale, bias=None):
         recipe = spec.recipe
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
-        x_amax = tensor_amax(a)
+        x_amax = tensor_amax(a, by_rows=x_scale is not None)   # delayed scaling: in the cast's pass
         # delayed scaling: both inverses in one op (None, None under current scaling)
         x_sinv, w_sinv = scale_invs(x_scale, w_scale)
         if x_scale is None:

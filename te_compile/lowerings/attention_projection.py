@@ -65,7 +65,8 @@ class AttentionProjectionFunction(torch.autograd.Function):
         x = o.transpose(1, 2).reshape(b * t, h * d)
         # delayed scaling: both inverses in one op (None, None under current scaling)
         x_sinv, w_sinv = scale_invs(x_scale, w_scale)
-        xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, tensor_amax(x), scale_inv=x_sinv)
+        x_amax = tensor_amax(x, by_rows=x_scale is not None)   # delayed scaling: in the cast's pass
+        xq, x_sinv, x_amax = quantize_per_tensor(x, "input", recipe, x_scale, x_amax, scale_inv=x_sinv)
         xq = xq.contiguous()
         y, wq, w_sinv, w_amax = fp8_fprop(xq, x_sinv, w_nk, recipe, w_scale, out_dtype=o.dtype, w_sinv=w_sinv,
                                           bias=bias)

@@ -214,8 +214,9 @@ class Fp8LinearFunction(torch.autograd.Function):
     def forward(ctx, x2d, w_nk, recipe, groups, carrier, x_scale, w_scale, g_scale, bias=None):
         w_dtype = w_nk.dtype
         w_nk = weight_in_input_dtype(w_nk, x2d.dtype, recipe)
-        x_amax = tensor_amax(x2d)
-        w_amax = None if weight_is_operand(w_nk, recipe) else tensor_amax(w_nk)
+        # delayed scaling: each amax in its cast's pass (tensor_amax's by_rows)
+        x_amax = tensor_amax(x2d, by_rows=x_scale is not None)
+        w_amax = None if weight_is_operand(w_nk, recipe) else tensor_amax(w_nk, by_rows=w_scale is not None)
         if x_scale is None and (groups[0] or groups[1]):
             if w_amax is None:   # a pre-quantized weight brings its (whole-weight) scale
                 [x_amax] = reduce_amaxes([x_amax], groups[:1])
@@ -238,7 +239,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y):
         xq, x_sinv, wq, w_sinv, xw_amax, *g_scale = ctx.saved_tensors
         x_dtype, w_dtype = ctx.dtypes
-        g_amax = tensor_amax(grad_y)
+        g_amax = tensor_amax(grad_y, by_rows=bool(g_scale))
         if not g_scale and ctx.g_groups:
             [g_amax] = reduce_amaxes([g_amax], [ctx.g_groups])
         dx, dw, g_amax = fp8_dgrad_wgrad(
