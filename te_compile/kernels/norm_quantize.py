@@ -18,12 +18,15 @@ bytes the wgrad GEMM reads. The output is, for x: [M, K] and ``spec`` (all arith
     h = round(h + b, prod_dtype)     the product's dtype, then each dtype of ``casts`` in turn
 
 round(v, d) stands for ``v.to(d).float()``. The quantized operand is ``clamp(h * scale).to(fp8)``,
-exactly te's unfused path applied to h. ``spec`` is a te_compile.norm_spec.NormSpec. The references are plain torch (inductor fuses them on CPU
-and inside compiled CPU graphs); the stats and quantize Triton kernels run for CUDA tensors and are
-registered with ``torch.library.triton_op`` so inductor schedules them like its own. The backward
-runs as its reference everywhere (``norm_backward`` says why); its Triton kernel is not called. ``norm_quantize``'s kernel equals
-its reference bit for bit given the same stats; the stats and the backward sum in a different order
-than torch does, so they agree with their references to fp32 rounding.
+exactly te's unfused path applied to h. ``spec`` is a te_compile.norm_spec.NormSpec.
+
+The references are plain torch, which inductor fuses on every device. The stats and quantize Triton
+kernels are registered with ``torch.library.triton_op``, so inductor schedules them like its own, but
+the dispatchers call them only where a lease measured them faster than inductor's code for the same
+work (``_kernels_win``: nowhere yet). The backward runs as its reference everywhere
+(``norm_backward`` says why); its Triton kernel is not called. ``norm_quantize``'s kernel equals its
+reference bit for bit given the same stats; the stats and the backward sum in a different order than
+torch does, so they agree with their references to fp32 rounding.
 """
 
 from __future__ import annotations
@@ -486,18 +489,30 @@ def _on_gpu(x: torch.Tensor, spec: NormSpec) -> bool:
     return HAS_TRITON and x.is_cuda and _kernel_ok(spec)
 
 
+def _kernels_win(x: torch.Tensor, spec: NormSpec) -> bool:
+    """Whether the stats and quantize kernels beat inductor's code for the same work at ``x``'s shape,
+    as a lease measured: at no shape yet, so the references run on every device and inductor fuses
+    them into kernels of its own.
+
+    The lease kit's kernels part times both (bench_quantize.py). On an H100 (2026-11-27, torch 2.11,
+    RMSNorm + quantize of a 4096 x 16384 bf16 input, forward) the pair took 0.789 ms against inductor's
+    0.190 under current scaling and 0.338 against 0.325 under delayed scaling. A shape measured faster
+    goes here, and the kernels stay tested beside their references for it."""
+    return False
+
+
 def norm_stats(x, weight, bias, spec: NormSpec):
-    """x [M, K] -> (mean [M], rstd [M], amax [1] of the norm output): the Triton kernel for CUDA
-    tensors, the reference elsewhere."""
-    if _on_gpu(x, spec):
+    """x [M, K] -> (mean [M], rstd [M], amax [1] of the norm output): the reference, which inductor
+    fuses; the Triton kernel for CUDA tensors where it wins (``_kernels_win``)."""
+    if _on_gpu(x, spec) and _kernels_win(x, spec):
         return torch.ops.te_compile.norm_stats(x, weight, bias, spec.encode())
     return norm_stats_reference(x, weight, bias, spec)
 
 
 def norm_quantize(x, weight, bias, mean, rstd, scale, spec: NormSpec, fp8_dtype: torch.dtype):
-    """The norm output from the given stats as FP8: (data [M, K], data_t [K, M]); the Triton kernel
-    for CUDA tensors, the reference elsewhere."""
-    if _on_gpu(x, spec):
+    """The norm output from the given stats as FP8: (data [M, K], data_t [K, M]); the reference, which
+    inductor fuses; the Triton kernel for CUDA tensors where it wins (``_kernels_win``)."""
+    if _on_gpu(x, spec) and _kernels_win(x, spec):
         data, data_t = torch.ops.te_compile.norm_quantize(x, weight, bias, mean, rstd, scale, spec.encode(),
                                                           fp8_dtype)
         return data.view(fp8_dtype), data_t.view(fp8_dtype)
