@@ -114,10 +114,16 @@ class Provider:
         return torch.compile(target, backend=self.backend(), dynamic=False)
 
 
+# [rewrite] small_gemms for every te provider (--small-gemms): te's default, or "fp8" for shapes scaled
+# down below the size at which te keeps a GPU's GEMMs in high precision
+_SMALL_GEMMS = {"value": "auto"}
+
+
 def _te(recipe: str, **options) -> Callable[[], object]:
     import te_compile
 
-    return lambda: te_compile.backend(recipe=recipe, **_common.TE_RECIPES[recipe], **options)
+    return lambda: te_compile.backend(recipe=recipe, **_common.TE_RECIPES[recipe], **options,
+                                      rewrite={"small_gemms": _SMALL_GEMMS["value"]})
 
 
 def _torchao_dense(recipe: str) -> Callable[[nn.Module], object]:
@@ -428,6 +434,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="block: BxTxC (default 2x2048x4096)")
     parser.add_argument("--heads", type=int, default=32, help="block: attention heads (default 32)")
     parser.add_argument("--moe-shape", default="mixtral", help="moe: a bench_moe.py CUDA shape (default mixtral)")
+    parser.add_argument("--small-gemms", choices=("auto", "fp8"), default="auto",
+                        help="te's [rewrite] small_gemms (default auto, te's default: a GEMM of at most 4096^3 "
+                             "multiply-adds stays in high precision; fp8 for scaled-down shapes)")
     return parser
 
 
@@ -527,6 +536,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if not ok:
             parser.error(f"--compile-sm90: {why}")
     names = args.providers or _default_providers()
+    _SMALL_GEMMS["value"] = args.small_gemms
     missing = sorted(n for n in names if PROVIDERS[n].torchao and not _common.torchao_available())
     if missing:
         parser.error(f"{', '.join(missing)}: {_common.TORCHAO_MISSING}")

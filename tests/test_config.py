@@ -549,7 +549,7 @@ def test_error_unknown_rewrite_key(error_for):
     message = error_for("[rewrite]\nattention = true\n")
     assert message == ("bad.toml: rewrite.attention: unknown key; "
                        "allowed keys: ['linear', 'grouped_linear', 'layer_norm', 'rms_norm', 'activation', 'sdpa', "
-                       "'linear_cross_entropy', 'linear_cross_entropy_chunk']")
+                       "'linear_cross_entropy', 'linear_cross_entropy_chunk', 'small_gemms']")
     message = error_for('[rewrite]\nsdpa = "yes"\n')
     assert message.startswith("bad.toml: rewrite.sdpa: expected a bool")
 

@@ -55,8 +55,9 @@ def _run_offline(out, *args: str) -> dict:
 @pytest.fixture(scope="module")
 def offline(tmp_path_factory) -> dict:
     """summary.json of one offline.py run over te's GPT block, every kernel built for sm90."""
+    # scaled down below te's small-GEMM line ([rewrite] small_gemms): "fp8" keeps every linear in FP8
     return _run_offline(tmp_path_factory.mktemp("offline"), "--cases", "block", "--block-size", "2x64x256",
-                        "--heads", "4", "--compile-sm90", "--sm90-configs", "first")
+                        "--heads", "4", "--compile-sm90", "--sm90-configs", "first", "--small-gemms", "fp8")
 
 
 @pytest.mark.skipif(not _OK, reason=f"cannot build for sm90 here: {_WHY}")
@@ -100,7 +101,7 @@ def offline_step(tmp_path_factory) -> dict:
     """summary.json of offline.py over the Llama-shaped step (one layer, the fused output layer + loss)
     at 1024 tokens (the loss in 16 chunks): fake tensors, no storage."""
     return _run_offline(tmp_path_factory.mktemp("offline_step"), "--cases", "step", "--tokens", "1024",
-                        "--layers", "1")
+                        "--layers", "1", "--small-gemms", "fp8")
 
 
 def test_no_fp8_operand_is_written_once_per_reader(offline_step):

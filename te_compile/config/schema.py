@@ -17,7 +17,7 @@ __all__ = [
     # the config's types
     "ConfigError", "TeConfig", "RewriteConfig", "Override", "DistributedConfig", "InferenceConfig", "MemoryConfig",
     # value checks the TOML loader reports with a source and key path
-    "COMPILERS", "INFERENCE_CHOICES", "AMAX_GROUP_NAMES", "EXPERT_AMAX_GROUP_NAMES",
+    "COMPILERS", "INFERENCE_CHOICES", "AMAX_GROUP_NAMES", "EXPERT_AMAX_GROUP_NAMES", "SMALL_GEMMS",
     "glob_problem", "group_problem", "is_mesh",
 ]
 
@@ -25,6 +25,8 @@ COMPILERS = ("inductor", "aot_eager")
 INFERENCE_CHOICES = {"scaling": ("static", "current"), "activation_scaling": ("tensor", "row")}
 AMAX_GROUP_NAMES = ("auto", "world", "none")
 EXPERT_AMAX_GROUP_NAMES = ("same", "auto", "world", "none")
+# [rewrite] small_gemms: "auto" keeps a GPU's too-small per-tensor GEMMs in high precision, "fp8" never does
+SMALL_GEMMS = ("auto", "fp8")
 _GROUP_FORMS = "a list of mesh dim names, or from Python a ProcessGroup or a DeviceMesh"
 
 
@@ -69,6 +71,10 @@ class RewriteConfig:
     # the output layer and its cross_entropy as one chunked op: no [tokens, vocab] logits saved
     linear_cross_entropy: bool = True
     linear_cross_entropy_chunk: int = 0   # rows per chunk; 0: chosen from the shapes
+    # "auto": on a GPU a per-tensor linear whose GEMM is too small for FP8 to win (a lease measured it
+    # slower) stays in high precision (passes/eligibility.py, why_small_gemm); "fp8": every eligible
+    # linear runs in FP8 whatever its size
+    small_gemms: str = "auto"
 
     def __post_init__(self):
         for f in fields(self):
@@ -81,6 +87,8 @@ class RewriteConfig:
         """Why ``value`` is not valid for ``key`` (beyond its type), or None."""
         if key == "linear_cross_entropy_chunk" and value < 0:
             return f"must be >= 0 (0: chosen from the shapes), got {value}"
+        if key == "small_gemms" and value not in SMALL_GEMMS:
+            return f"must be one of {list(SMALL_GEMMS)}, got {value!r}"
         return None
 
 

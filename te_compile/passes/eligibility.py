@@ -12,9 +12,18 @@ from ..recipe import Recipe
 from ..fx.gemm_operands import LinearSite
 from ..fx.matching import shape_text, value_of
 
-__all__ = ["why_not_linear", "shape_str", "divisible"]
+__all__ = ["why_not_linear", "why_small_gemm", "shape_str", "divisible", "SMALL_GEMM_DIM"]
 
 _DEVICES = ("cpu", "cuda")
+
+# The largest GEMM at which a per-tensor FP8 linear was measured slower than bf16 on a GPU: forward +
+# backward of one bias-free linear on an H100 (BENCHMARKS.md, GPU 2026-11-26, first lease) ran at
+# 0.84x bf16 under current scaling and 0.77x under delayed scaling at M = K = N = 4096, and at 1.63x
+# and 1.58x at 8192: the casts around three GEMMs cost more than the small GEMMs save. A GPU site no
+# larger in any of M, K, N stays in high precision under [rewrite] small_gemms = "auto" (its casts
+# weigh more against its GEMMs still); a site larger in one dim (8192 tokens through a 4096 x 1024
+# projection) is not judged from this point and keeps FP8 until a lease measures its shape.
+SMALL_GEMM_DIM = 4096
 
 
 def divisible(dim, by: int) -> bool:
@@ -37,6 +46,32 @@ def shape_str(site: LinearSite) -> str:
     if site.bias is not None:
         parts.append(one("b", site.bias))
     return " ".join(parts)
+
+
+def _on_gpu(x) -> bool:
+    """Whether the site's GEMMs run on a GPU (benchmarks/offline.py answers yes for its CPU trace of an
+    H100's code)."""
+    return x.device.type == "cuda"
+
+
+def why_small_gemm(site: LinearSite, recipe: Recipe, setting: str) -> Optional[str]:
+    """Why an otherwise eligible site stays in high precision because its GEMM is too small for FP8 to
+    win on its GPU in training (``SMALL_GEMM_DIM``), or None: always None under ``setting`` "fp8", on a
+    CPU (whose FP8 GEMMs are an emulation: no speed to win), for block-scaled recipes (not measured),
+    experts and ``W @ x`` forms; the caller leaves inference graphs out (the measurement is of forward
+    + backward). A symbolic size is judged by what holds for every shape, never by its hint."""
+    if setting != "auto" or not recipe.per_tensor or site.expert is not None or site.weight_first:
+        return None
+    x, w = local_value(value_of(site.x)), local_value(value_of(site.weight))
+    if x is None or w is None or not _on_gpu(x) or w.dim() != 2:
+        return None
+    n, k = (w.shape[1], w.shape[0]) if site.weight_in_out else (w.shape[0], w.shape[1])
+    m = x.numel() // k
+    if not all(statically_known_true(d <= SMALL_GEMM_DIM) for d in (m, k, n)):
+        return None
+    return (f"GEMM M x K x N = {m} x {k} x {n}, no larger in any dim than 4096 x 4096 x 4096, where an FP8 "
+            f"linear ran slower than bf16 on an H100 (0.84x current scaling, 0.77x delayed, forward + "
+            f'backward): kept in high precision ([rewrite] small_gemms = "fp8" runs it in FP8)')
 
 
 def _cut(site: LinearSite, name: str) -> str:

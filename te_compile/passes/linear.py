@@ -42,7 +42,7 @@ from ..fx.editing import insert_call, replace_with_call
 from ..fx.gemm_operands import (BMM_FNS, LinearSite, batched_experts, grouped_op, param_behind, rank,
                                 reaches_param, unbroadcast)
 from ..fx.graphs import GraphScope, ParamRef, module_fqn
-from .eligibility import shape_str, why_not_linear
+from .eligibility import shape_str, why_not_linear, why_small_gemm
 from .cached_weights import cached_weight
 from .async_tp import async_tp_enabled, async_tp_form, column_groups
 from .context import PassContext
@@ -264,6 +264,11 @@ def rewrite_linears(ctx: PassContext, scope: GraphScope) -> int:
         op = "linear" if site.expert is None else "grouped_linear"
         record = ctx.recorder(scope, site.node, site.fqn, op, shape_str(site))
         if not ctx.admit(scope, site, "linear", recipe, why, record, why_not_linear):
+            continue
+        # the line was measured on training's forward + backward: inference graphs keep FP8 weights
+        small = None if ctx.inference else why_small_gemm(site, recipe, ctx.config.rewrite.small_gemms)
+        if small is not None:
+            record(False, small, recipe.name)
             continue
         plan = _plan(ctx, scope, site, recipe, why)
         if isinstance(plan, str):   # DelayedScaling's state refused the site
