@@ -52,6 +52,9 @@
 #                       whose te process it reruns on the step's cache (see below)
 #   by name only: block 250  bench_block.py, the GPT block step at 2 x 2048 x 4096 (the earlier leases'
 #                       figure, which the step supersedes)
+#                 linear 200  bench_linear.py: one linear forward + backward at 4096^3, 8192 x 4096 x 1024
+#                       (Llama's k/v projections) and 8192^3, te with and without [rewrite] small_gemms's
+#                       high-precision line, which these figures move
 #
 # Why this plan (the first lease, on an H100, 2026-11-27): a provider's process needs 36-53 s (imports and
 # model build 9-12 s, the first step's compile 14-34 s, timed steps ~6 s, profile 1-2 s), so a part that
@@ -96,10 +99,10 @@ for arg in "$@"; do
         --dry) DRY=1 ;;
         call1) parts+=(setup ceilings step moe) ;;
         call2) parts+=(setup attention kernels offload combo accum smoke tests ncu) ;;
-        all) parts+=(setup ceilings step moe attention kernels offload combo accum smoke tests ncu block) ;;
-        setup|ceilings|step|moe|block|attention|kernels|offload|combo|accum|smoke|ncu|tests) parts+=("$arg") ;;
+        all) parts+=(setup ceilings step moe attention kernels offload combo accum smoke tests ncu block linear) ;;
+        setup|ceilings|step|moe|block|linear|attention|kernels|offload|combo|accum|smoke|ncu|tests) parts+=("$arg") ;;
         *) echo "lease.sh: unknown part '$arg'; parts: setup ceilings step moe attention kernels offload combo" \
-                "accum smoke tests ncu block, or call1, call2, all, and --dry" >&2; exit 2 ;;
+                "accum smoke tests ncu block linear, or call1, call2, all, and --dry" >&2; exit 2 ;;
     esac
 done
 [ ${#parts[@]} -eq 0 ] && parts=(setup ceilings step moe)
@@ -132,7 +135,7 @@ budget() {
     if [ "$DRY" = 1 ]; then echo 150; return; fi
     case "$1" in
         setup) if [ -f "$SETUP_DONE" ]; then echo 10; else echo 35; fi ;;
-        ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;;
+        ceilings) echo 25 ;; step) echo 210 ;; moe) echo 235 ;; block) echo 250 ;; linear) echo 200 ;;
         attention) echo 160 ;; kernels) echo 45 ;; offload) echo 120 ;; combo) echo 110 ;; accum) echo 180 ;;
         smoke) echo 110 ;; tests) echo 150 ;; ncu) echo 90 ;;
     esac
@@ -193,6 +196,15 @@ part_cmd() {
             "$PY" benchmarks/bench_step.py --providers "${providers[@]}" --micro-batches 4 \
                 --jsonl "$WORK/results.jsonl" --kernels-csv "$WORK/kernels.csv" --trace-dir "$WORK/traces" \
                 --code-dir "$WORK/code/accum" --profile-steps 0 "${dry_flag[@]}" ;;
+        linear)
+            # the table is in logs/linear.log (each median printed as it comes) and logs/linear.json
+            if [ "$DRY" = 1 ]; then
+                "$PY" benchmarks/bench_linear.py --device cpu --sizes 64x64x64 --iters 2 --warmup 1 \
+                    --json "$WORK/logs/linear.json"
+            else
+                "$PY" benchmarks/bench_linear.py --device cuda --sizes 4096x4096x4096,8192x4096x1024,8192x8192x8192 \
+                    --iters 20 --json "$WORK/logs/linear.json"
+            fi ;;
         smoke) "$PY" benchmarks/lease_parts.py smoke "${dry_flag[@]}" ;;
         ncu) "$PY" benchmarks/lease_parts.py ncu --budget "$2" "${dry_flag[@]}" ;;
         tests)
