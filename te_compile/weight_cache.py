@@ -70,10 +70,10 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
     copy's buffers when ``in_place``."""
     if not recipe.per_tensor:
         raise ValueError(f"{where}: the FP8 weight cache takes per-tensor recipes, got {recipe.name}")
-    # the graph's scale, read and never created here: serving adds no recipe state
-    scale = read_state(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
     if is_fake(weight):
         return _fake_copy(weight, recipe, transposed, dtype)
+    # the graph's scale, read and never created here: serving adds no recipe state
+    scale = read_state(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
     key = _version_key(weight, scale)
     entries = _CACHE.setdefault(weight, {})
     entry = entries.get((recipe, transposed, dtype))

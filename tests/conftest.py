@@ -3,10 +3,13 @@
 Triton reads TRITON_INTERPRET when ``@triton.jit`` decorates a kernel, i.e. when te_compile.kernels
 modules are imported, so this must happen before any test module imports them. Plain-torch paths are
 unaffected; on a CUDA machine the kernels compile for the GPU as usual.
+
+Also the fixtures several test modules share (imported inside them, after that environment is set).
 """
 
 import os
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -19,3 +22,19 @@ if not torch.cuda.is_available():
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 if _WORKERS > 1:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // _WORKERS))
+
+
+@pytest.fixture
+def quantizations(monkeypatch):
+    """The shapes of the weights te_compile.weight_cache quantizes, in order (the inference and the
+    training weight-cache tests count them)."""
+    import te_compile.weight_cache as weight_cache
+
+    seen, real = [], weight_cache.quantize_per_tensor
+
+    def counting(t, *args, **kwargs):
+        seen.append(tuple(t.shape))
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(weight_cache, "quantize_per_tensor", counting)
+    return seen

@@ -12,24 +12,10 @@ import torch
 import torch.nn as nn
 
 import te_compile
-import te_compile.weight_cache as weight_cache
 from te_compile.data import get_batch
 from utils import sqnr
 
 transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
-
-
-@pytest.fixture
-def quantizations(monkeypatch):
-    """The shapes of the weights the cache quantizes, in order."""
-    seen, real = [], weight_cache.quantize_per_tensor
-
-    def counting(t, *args, **kwargs):
-        seen.append(tuple(t.shape))
-        return real(t, *args, **kwargs)
-
-    monkeypatch.setattr(weight_cache, "quantize_per_tensor", counting)
-    return seen
 
 
 def _compiled(model, recipe, **options):

@@ -19,22 +19,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import te_compile
-import te_compile.weight_cache as weight_cache
 from models import TinyGPT
 from utils import needs_gloo, run_ranks
-
-
-@pytest.fixture
-def quantizations(monkeypatch):
-    """The shapes of the weights the cache quantizes, in order."""
-    seen, real = [], weight_cache.quantize_per_tensor
-
-    def counting(t, *args, **kwargs):
-        seen.append(tuple(t.shape))
-        return real(t, *args, **kwargs)
-
-    monkeypatch.setattr(weight_cache, "quantize_per_tensor", counting)
-    return seen
 
 
 class CheckpointedGPT(TinyGPT):

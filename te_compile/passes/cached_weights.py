@@ -38,7 +38,7 @@ from ..fx.graphs import GraphScope
 from ..fx.gemm_operands import LinearSite
 from .context import PassContext
 
-__all__ = ["CachedWeightInput", "caches_weights", "cached_weight"]
+__all__ = ["CachedWeightInput", "cached_weight"]
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ def _autocast_inside(scope: GraphScope) -> bool:
     return False
 
 
-def caches_weights(ctx: PassContext, recipe: Recipe) -> bool:
+def _caches_weights(ctx: PassContext, recipe: Recipe) -> bool:
     """Do the sites of this graph under ``recipe`` read cached weights: an inference graph's, or a
     training graph's under ``cache_fp8_weights`` without DelayedScaling's state?"""
     if not recipe.per_tensor:
@@ -82,7 +82,7 @@ def cached_weight(ctx: PassContext, scope: GraphScope, site: LinearSite, recipe:
     """The node of ``scope`` carrying the cached FP8 copy of ``site``'s weight, always [N, K] (the
     lowering then reads it as stored [N, K]), or None when the graph caches no weights or the site
     does not qualify (module docstring)."""
-    if not caches_weights(ctx, recipe) or site.param is None:
+    if not _caches_weights(ctx, recipe) or site.param is None:
         return None
     if site.weight_first or site.expert is not None or _autocast_inside(scope):
         return None
