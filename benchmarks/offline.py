@@ -72,6 +72,8 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from te_compile.config.schema import SMALL_GEMMS
+
 import _common
 from _h100_schedule import CodeCapture, GeneratedGraph, fake_module, gpu_trace
 from _output_code import Build, Launch, build_sm90, kernel_sources, launches, ptxas_available, repeated_stores
@@ -434,9 +436,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="block: BxTxC (default 2x2048x4096)")
     parser.add_argument("--heads", type=int, default=32, help="block: attention heads (default 32)")
     parser.add_argument("--moe-shape", default="mixtral", help="moe: a bench_moe.py CUDA shape (default mixtral)")
-    parser.add_argument("--small-gemms", choices=("auto", "fp8"), default="auto",
-                        help="te's [rewrite] small_gemms (default auto, te's default: a GEMM of at most 4096^3 "
-                             "multiply-adds stays in high precision; fp8 for scaled-down shapes)")
+    parser.add_argument("--small-gemms", choices=SMALL_GEMMS, default="auto",
+                        help="te's [rewrite] small_gemms (default auto, te's default: a GEMM no larger in any "
+                             "dim than 4096 stays in high precision; fp8 for scaled-down shapes)")
     return parser
 
 
