@@ -109,14 +109,17 @@ def _as_on_sm90(check: Callable) -> Callable:
 def gpu_trace():
     """The CPU trace takes the GPU path: te's per-tensor GEMMs are ``torch._scaled_mm`` (not the CPU
     emulation), its norms the Triton kernels where they win (te_compile::norm_stats / norm_quantize /
-    norm_backward), its small GEMMs in high precision under [rewrite] small_gemms, its expert GEMMs the CUTLASS grouped GEMMs of an sm90 (``torch._scaled_grouped_mm``,
-    or ``torch._grouped_mm`` for E5M2 operands, with each group padded to GROUP_ALIGN rows), and Triton
-    targets sm90, so that torch can read the norm kernels' TTIR to learn which arguments they write
-    (without it, it assumes every input is written and copies each one)."""
+    norm_backward), its small GEMMs in high precision under [rewrite] small_gemms, its activations
+    inlined into the amax and the cast that read them (a CPU keeps them as buffers), its expert GEMMs
+    the CUTLASS grouped GEMMs of an sm90 (``torch._scaled_grouped_mm``, or ``torch._grouped_mm`` for
+    E5M2 operands, with each group padded to GROUP_ALIGN rows), and Triton targets sm90, so that torch
+    can read the norm kernels' TTIR to learn which arguments they write (without it, it assumes every
+    input is written and copies each one)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from te_compile.gemm import grouped, per_tensor
     from te_compile.kernels import norm_quantize
+    from te_compile.lowerings import activation_fusion
     from te_compile.passes import eligibility, grouped_linear
 
     align = grouped_linear._align
@@ -134,6 +137,7 @@ def gpu_trace():
             mock.patch.object(grouped, "uses_bf16_grouped_gemm", _as_on_sm90(grouped.uses_bf16_grouped_gemm)), \
             mock.patch.object(grouped_linear, "_align", align_on_sm90), \
             mock.patch.object(eligibility, "_on_gpu", lambda x: True), \
+            mock.patch.object(activation_fusion, "_on_cpu", lambda t: False), \
             mock.patch.object(triton.runtime.driver, "_active", sm90):
         yield
 

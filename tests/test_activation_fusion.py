@@ -177,3 +177,23 @@ def test_elementwise_math_without_a_transcendental_is_not_an_activation():
 
     rows = _run(Scale(), torch.randn(2, D), recipe="Float8CurrentScaling", compiler="aot_eager")[3]
     assert rows == []
+
+
+def _erfs_per_graph(backend) -> list[int]:
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    te_compile.reset()
+    torch.manual_seed(0)
+    compiled = torch.compile(ActivationMLP("gelu", D, H), backend=backend)
+    x = torch.randn(4, 16, D, requires_grad=True)
+    _, code = run_and_get_code(lambda: compiled(x).square().mean().backward())
+    return [c.count(".erf()") + c.count("std::erf(") for c in code]
+
+
+def test_gelu_under_current_scaling_evaluates_erf_once_per_element_on_cpu():
+    # current scaling reads the activation for its amax and for its cast: inlined into both loops,
+    # inductor's C++ would evaluate the erf twice in the forward (the backward's gelu_backward once)
+    hp = _erfs_per_graph("inductor")
+    assert hp == [1, 1]
+    assert _erfs_per_graph(te_compile.backend(recipe="Float8CurrentScaling")) == hp

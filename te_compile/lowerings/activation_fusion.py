@@ -136,6 +136,8 @@ class ActFp8LinearFunction(torch.autograd.Function):
     def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale, bias=None):
         recipe = spec.recipe
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
+        if x_scale is None:
+            a = _computed_once(a)
         x_amax = tensor_amax(a, by_rows=x_scale is not None)   # delayed scaling: in the cast's pass
         # delayed scaling: both inverses in one op (None, None under current scaling)
         x_sinv, w_sinv = scale_invs(x_scale, w_scale)
@@ -176,6 +178,25 @@ class ActFp8LinearFunction(torch.autograd.Function):
         # bias is optional: a call without it has 8 inputs
         db = grad_y.sum(0) if len(ctx.needs_input_grad) > 8 and ctx.needs_input_grad[8] else None
         return (None, dh, du, dw, carrier_grad, None, None, None, db)[:len(ctx.needs_input_grad)]
+
+
+def _on_cpu(t: torch.Tensor) -> bool:
+    """Whether inductor writes C++ for ``t``'s device (benchmarks/offline.py answers no for its CPU trace
+    of an H100's code)."""
+    return t.device.type == "cpu"
+
+
+def _computed_once(a: torch.Tensor) -> torch.Tensor:
+    """``a`` as a buffer of its own in inductor's CPU code, the same values. Current scaling reads the
+    activation twice, for its amax and then for its cast, and inductor inlines a pointwise producer into
+    each loop that reads it: for gelu a second erf per element, which on a CPU costs more than the
+    store and reload it saves (the demo's [512, 512] gelu: 0.46 ms a pass on one core, 5% of its step).
+    Inductor keeps exp-, log-, tanh- and sigmoid-based producers as buffers on a CPU itself; erf is not
+    on its list. GPU kernels are memory-bound and keep the producer inline."""
+    force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
+    if force is None or not _on_cpu(a):
+        return a
+    return force.default(a, a.stride())
 
 
 def _cast(a: torch.Tensor, casts) -> torch.Tensor:
@@ -224,6 +245,8 @@ class ActFp8GroupedLinearFunction(torch.autograd.Function):
         recipe, experts = spec.recipe, w_ekn.shape[0]
         groups = group_index(offs, h.shape[0])
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
+        if x_scale is None:
+            a = _computed_once(a)
         x_amax = group_amax(a, groups, experts)
         if x_scale is None:
             x_scale = current_scale(x_amax, "input", recipe)   # kept: backward re-quantizes with it
