@@ -8,7 +8,8 @@
 Sizes are MxK of a bf16 (CUDA) / fp32 (CPU) input quantized rowwise. Bandwidth counts the bytes read
 (the input) and written (data and scales) once: the floor any kernel must move.
 
-As a lease part (``--jsonl``) it writes rows for part ``quantize`` (te's Triton kernels and the
+As a lease part (``--jsonl``) it writes rows for part ``quantize`` (te's Triton kernels, each beside
+inductor's code for its reference, which decides whether the kernel earns its place, and the
 per-tensor quantization inductor generates for te's linears, in GB/s against a copy measured in the
 same process) and part ``norm``: RMSNorm fused with per-tensor FP8 quantization at 4096 x 16384 bf16,
 te's two Triton kernels (stats, then both FP8 layouts) under current and delayed scaling against
@@ -119,6 +120,9 @@ def _quantize_cases(x: torch.Tensor, cuda: bool, dry: bool) -> list[tuple[str, s
                     lambda t: fp8_cast_transpose(t, one, E4M3), 2 * m * k))
     for fmt, (reference, triton_fn, out_bytes) in _ops(x).items():
         out.append(("te triton" if cuda else "te reference eager", fmt, triton_fn if cuda else reference, out_bytes))
+        if cuda:
+            # what the lowerings would run without the kernel: inductor's code for the reference
+            out.append(("te inductor reference", fmt, torch.compile(reference, dynamic=False), out_bytes))
     return out
 
 

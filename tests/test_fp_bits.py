@@ -14,13 +14,15 @@ if HAS_TRITON:
 
     from te_compile.kernels._fp_bits import (
         e2m1_bits_to_fp32,
+        e2m1_magnitude_code,
         fp32_to_e2m1_bits,
         fp32_to_fp8_bits,
+        min_drop_nan,
         round_to_e4m3,
     )
 
     @triton.jit
-    def _casts_kernel(x_ptr, fp8_ptr, e4m3_ptr, e2m1_ptr, e2m1_val_ptr, n, IS_E4M3: tl.constexpr,
+    def _casts_kernel(x_ptr, fp8_ptr, e4m3_ptr, e2m1_ptr, e2m1_val_ptr, mag_ptr, n, IS_E4M3: tl.constexpr,
                       BLOCK: tl.constexpr):
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
@@ -30,6 +32,8 @@ if HAS_TRITON:
         code = fp32_to_e2m1_bits(v)
         tl.store(e2m1_ptr + offs, code.to(tl.uint8), mask=mask)
         tl.store(e2m1_val_ptr + offs, e2m1_bits_to_fp32(code), mask=mask)
+        # the NVFP4 kernel's path: |v| clamped to 6 (NaN to 6 too), then the magnitude code
+        tl.store(mag_ptr + offs, e2m1_magnitude_code(min_drop_nan(tl.abs(v), 6.0)).to(tl.uint8), mask=mask)
 
 
 def _run(x: torch.Tensor, fp8_dtype):
@@ -38,10 +42,11 @@ def _run(x: torch.Tensor, fp8_dtype):
     e4m3 = torch.empty(n, dtype=torch.float32, device=x.device)
     e2m1 = torch.empty(n, dtype=torch.uint8, device=x.device)
     e2m1_val = torch.empty(n, dtype=torch.float32, device=x.device)
+    mag = torch.empty(n, dtype=torch.uint8, device=x.device)
     block = 4096
-    _casts_kernel[(triton.cdiv(n, block),)](x, fp8, e4m3, e2m1, e2m1_val, n,
+    _casts_kernel[(triton.cdiv(n, block),)](x, fp8, e4m3, e2m1, e2m1_val, mag, n,
                                              IS_E4M3=fp8_dtype == torch.float8_e4m3fn, BLOCK=block)
-    return fp8, e4m3, e2m1, e2m1_val
+    return fp8, e4m3, e2m1, e2m1_val, mag
 
 
 _GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -79,7 +84,7 @@ def _inputs(device="cpu") -> torch.Tensor:
 @pytest.mark.parametrize("fp8_dtype", FP8_DTYPES, ids=fp8_id)
 def test_casts_match_torch(fp8_dtype):
     x = _inputs()
-    fp8, e4m3, e2m1, e2m1_val = on_kernel_device(_run)(x, fp8_dtype)
+    fp8, e4m3, e2m1, e2m1_val, mag = on_kernel_device(_run)(x, fp8_dtype)
     fmax = FP8_MAX[fp8_dtype]
     assert_bitwise_equal(fp8, x.clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8), f"{fp8_id(fp8_dtype)} bytes")
     # NaN payloads may differ; NaN positions may not
@@ -87,6 +92,7 @@ def test_casts_match_torch(fp8_dtype):
     assert torch.equal(e4m3.isnan(), expected.isnan())
     assert_bitwise_equal(e4m3.nan_to_num(nan=1.0), expected.nan_to_num(nan=1.0), "e4m3 values")
     assert_bitwise_equal(e2m1, _e2m1_reference(x), "e2m1 codes")
+    assert_bitwise_equal(mag, _e2m1_reference(x) & 7, "e2m1 magnitude codes")
     signs = torch.where(torch.signbit(x), -1.0, 1.0)
     assert_bitwise_equal(e2m1_val, signs * _GRID[(e2m1 & 7).long()], "e2m1 values")
 
@@ -95,7 +101,8 @@ def test_casts_match_torch(fp8_dtype):
 def test_casts_match_torch_cuda():
     x = _inputs("cuda")
     for fp8_dtype in FP8_DTYPES:
-        fp8, e4m3, e2m1, _ = _run(x, fp8_dtype)
+        fp8, e4m3, e2m1, _, mag = _run(x, fp8_dtype)
         fmax = FP8_MAX[fp8_dtype]
         assert_bitwise_equal(fp8.cpu(), x.cpu().clamp(-fmax, fmax).to(fp8_dtype).view(torch.uint8))
         assert_bitwise_equal(e2m1.cpu(), _e2m1_reference(x.cpu()))
+        assert_bitwise_equal(mag.cpu(), _e2m1_reference(x.cpu()) & 7)

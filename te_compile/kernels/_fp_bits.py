@@ -36,8 +36,9 @@ def use_triton(x: torch.Tensor) -> bool:
     return HAS_TRITON and isinstance(x, torch.Tensor) and x.is_cuda and not is_fake(x)
 
 if HAS_TRITON:
-    __all__ += ["fp32_to_fp8_bits", "mul_rn", "nan_abs_max", "round_fp32_to", "round_to_e4m3", "round_to_e5m2",
-                "to_e4m3", "to_e5m2", "fp32_to_e2m1_bits", "e2m1_bits_to_fp32"]
+    __all__ += ["fp32_to_fp8_bits", "fp8_bits_no_nan", "fp8_nan_bits", "nan_max", "mul_rn", "nan_abs_max",
+                "round_fp32_to", "round_to_e4m3", "round_to_e5m2", "to_e4m3", "to_e5m2", "fp32_to_e2m1_bits",
+                "e2m1_magnitude_code", "e2m1_bits_to_fp32", "max_drop_nan", "min_drop_nan"]
 
     @triton.jit
     def _round_magnitude(a, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
@@ -69,13 +70,52 @@ if HAS_TRITON:
         return code | (sign << SIGN_SHIFT)
 
     @triton.jit
-    def fp32_to_fp8_bits(v, IS_E4M3: tl.constexpr):
-        """Byte (as int32) of ``v.clamp(-max, max).to(e4m3fn or e5m2)``: saturating, RNE, NaN -> 0x7F|sign."""
+    def _fp8_bits_arith(v, IS_E4M3: tl.constexpr):
+        """fp32_to_fp8_bits by fp32 arithmetic and integer bit operations, exact in the interpreter too."""
         if IS_E4M3:
             code = _minifloat_bits(v, 3, -6, 7, 448.0, 512.0, 7, 0x7F)
         else:
             code = _minifloat_bits(v, 2, -14, 15, 57344.0, 65536.0, 7, 0x7F)
         return code
+
+    # On a GPU the conversion instruction: ``.to`` lowers to ``cvt.rn.satfinite.{e4m3,e5m2}x2.f32``
+    # (sm89+), the same saturating round-to-nearest-even for every number (±inf saturate too), two
+    # elements an instruction, where the arithmetic takes about twenty. Its NaN byte is its own, not
+    # necessarily torch's 0x7F|sign. In the interpreter, whose own conversion neither saturates nor
+    # rounds correctly, the arithmetic.
+    if triton.knobs.runtime.interpret:
+        @triton.jit
+        def fp8_bits_no_nan(v, IS_E4M3: tl.constexpr):
+            """fp32_to_fp8_bits for a ``v`` without NaN (a NaN's byte is the conversion's own)."""
+            return _fp8_bits_arith(v, IS_E4M3)
+    else:
+        @triton.jit
+        def fp8_bits_no_nan(v, IS_E4M3: tl.constexpr):
+            """fp32_to_fp8_bits for a ``v`` without NaN (a NaN's byte is the conversion's own)."""
+            if IS_E4M3:
+                code = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True).to(tl.int32)
+            else:
+                code = v.to(tl.float8e5).to(tl.uint8, bitcast=True).to(tl.int32)
+            return code
+
+    @triton.jit
+    def fp8_nan_bits(v, code):
+        """``code`` (fp8_bits_no_nan's of ``v``) with each NaN of v as torch's byte 0x7F|sign. A select
+        an element, and on a GPU an unpacking of the converted byte pairs: the block quantize kernels
+        apply it only to a tile that holds a NaN."""
+        sign = (v.to(tl.int32, bitcast=True) >> 31) & 1
+        return tl.where(v != v, 0x7F | (sign << 7), code)
+
+    @triton.jit
+    def fp32_to_fp8_bits(v, IS_E4M3: tl.constexpr):
+        """Byte (as int32) of ``v.clamp(-max, max).to(e4m3fn or e5m2)``: saturating, RNE, NaN -> 0x7F|sign."""
+        return fp8_nan_bits(v, fp8_bits_no_nan(v, IS_E4M3))
+
+    @triton.jit
+    def nan_max(a, b):
+        """Combine function of a max reduction that keeps NaNs as torch.amax does
+        (``tl.reduce(v, axis, nan_max)``): ``tl.max`` drops them on a GPU. One fmax.NaN an element."""
+        return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
     @triton.jit
     def _round_value(v, M_BITS: tl.constexpr, EMIN: tl.constexpr, MAX: tl.constexpr):
@@ -163,6 +203,44 @@ if HAS_TRITON:
         """E2M1 code 0..15 of ``v`` (magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6; sign in bit 3): saturating at
         ±6, round half to even; E2M1 has no NaN, so NaN -> 7 (|6|) with v's sign."""
         return _minifloat_bits(v, 1, 0, 1, 6.0, 2.0, 3, 0x7)
+
+    @triton.jit
+    def e2m1_magnitude_code(a):
+        """E2M1 magnitude code 0..7 of fp32 ``0 <= a <= 6`` (not NaN), round half to even: fp32_to_e2m1_bits's
+        code for such an ``a`` in about ten instructions. The grid's spacing is 0.5 below 2, 1 below 4 and
+        2 up to 6; within each range the code is an integer rounding of ``a`` scaled by a power of two
+        (exact) plus the range's first code, and each range's ties fall on the even code."""
+        # each range's a * 2^k + 2^23 + its first code (even, so ties still round to an even code): the
+        # sum holds the code in its low mantissa bits, rounded half to even. Immediate powers of two,
+        # so an FMA that ptxas makes of them rounds once, as the product is exact.
+        low = a * 2.0 + 8388608.0
+        mid = a + 8388610.0
+        high = a * 0.5 + 8388612.0
+        y = tl.where(a < 2.0, low, tl.where(a < 4.0, mid, high))
+        return y.to(tl.int32, bitcast=True) & 7
+
+    # min / max that ignore a NaN operand (NaN only when both are): a GPU's min.f32 / max.f32, which
+    # tl.minimum / tl.maximum are there; the interpreter's keep NaNs, so it selects around them.
+    if triton.knobs.runtime.interpret:
+        @triton.jit
+        def max_drop_nan(a, b):
+            """max(a, b), ignoring a NaN operand."""
+            return tl.where(a != a, b, tl.where(b != b, a, tl.maximum(a, b)))
+
+        @triton.jit
+        def min_drop_nan(a, b):
+            """min(a, b), ignoring a NaN operand."""
+            return tl.where(a != a, b, tl.where(b != b, a, tl.minimum(a, b)))
+    else:
+        @triton.jit
+        def max_drop_nan(a, b):
+            """max(a, b), ignoring a NaN operand."""
+            return tl.maximum(a, b)
+
+        @triton.jit
+        def min_drop_nan(a, b):
+            """min(a, b), ignoring a NaN operand."""
+            return tl.minimum(a, b)
 
     @triton.jit
     def e2m1_bits_to_fp32(code):

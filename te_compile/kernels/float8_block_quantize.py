@@ -87,15 +87,14 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from te_compile.kernels._fp_bits import fp32_to_fp8_bits
+    from te_compile.kernels._fp_bits import fp8_bits_no_nan, fp8_nan_bits, nan_max
 
     # jit functions may read module globals only when they are constexpr
     _FLT_MAX = tl.constexpr(FLT_MAX)
 
     @triton.jit
     def _block_scale(
-        amax,                       # [BLOCK_M] (1x128 blocks) or scalar (128x128 tiles), fp32
-        has_nan,                    # same shape, bool: the tile holds a NaN
+        amax,                       # [BLOCK_M] (1x128 blocks) or scalar (128x128 tiles), fp32, NaN kept
         amax_epsilon,               # fp32 scalar
         FP8_MAX: tl.constexpr,
         FORCE_POW_2_SCALES: tl.constexpr,
@@ -103,12 +102,11 @@ if HAS_TRITON:
     ):
         """compute_scale's rule elementwise; returns (scale, scale_inv)."""
         if USE_EPSILON:
-            amax = tl.maximum(amax, amax_epsilon)
+            amax = tl.maximum(amax, amax_epsilon, propagate_nan=tl.PropagateNan.ALL)   # as torch.clamp
         # div_rn: correctly rounded, as torch.div; plain '/' is an approximate division on GPU.
         scale = tl.div_rn(tl.zeros_like(amax) + FP8_MAX, amax)
         scale = tl.where(scale > _FLT_MAX, _FLT_MAX, scale)
-        # GPU max-reductions drop NaNs, so NaN tiles come in through has_nan rather than amax.
-        bad_amax = (amax == 0.0) | (amax > _FLT_MAX) | (amax != amax) | has_nan
+        bad_amax = (amax == 0.0) | (amax > _FLT_MAX) | (amax != amax)
         scale = tl.where(bad_amax, 1.0, scale)
         if FORCE_POW_2_SCALES:
             # keep sign and exponent bits, drop the 23 mantissa bits: largest power of two <= scale
@@ -145,23 +143,24 @@ if HAS_TRITON:
         # elements outside x read as 0: they never raise a tile's amax
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = x.to(tl.float32)
-        row_amax = tl.max(tl.abs(x), axis=1)                 # [BLOCK_M]
-        row_nan = tl.max((x != x).to(tl.int32), axis=1) > 0  # [BLOCK_M]
+        row_amax = tl.reduce(tl.abs(x), 1, nan_max)          # [BLOCK_M], NaN if the row holds one
+        tile_amax = tl.reduce(row_amax, 0, nan_max)          # the program's: NaN if any row holds one
         if TILE_ROWS == 1:
-            scale, scale_inv = _block_scale(row_amax, row_nan, amax_epsilon, FP8_MAX,
-                                            FORCE_POW_2_SCALES, USE_EPSILON)
+            scale, scale_inv = _block_scale(row_amax, amax_epsilon, FP8_MAX, FORCE_POW_2_SCALES, USE_EPSILON)
             y = x * scale[:, None]
             tl.store(scale_inv_ptr + rows * n_kblocks + pid_k, scale_inv, mask=row_ok)
         else:
-            tile_amax = tl.max(row_amax, axis=0)
-            tile_nan = tl.max(row_nan.to(tl.int32), axis=0) > 0
-            scale, scale_inv = _block_scale(tile_amax, tile_nan, amax_epsilon, FP8_MAX,
-                                            FORCE_POW_2_SCALES, USE_EPSILON)
+            scale, scale_inv = _block_scale(tile_amax, amax_epsilon, FP8_MAX, FORCE_POW_2_SCALES, USE_EPSILON)
             y = x * scale
             tl.store(scale_inv_ptr + pid_m * n_kblocks + pid_k, scale_inv)
-        # saturating RNE cast as bit manipulation (the interpreter's fp8 casts are wrong)
-        codes = fp32_to_fp8_bits(y, IS_E4M3)
-        tl.store(data_ptr + rows[:, None] * K + cols[None, :], codes.to(tl.uint8), mask=mask)
+        # the hardware conversion (bit operations in the interpreter, whose fp8 casts are wrong)
+        codes = fp8_bits_no_nan(y, IS_E4M3)
+        data_ptrs = data_ptr + rows[:, None] * K + cols[None, :]
+        tl.store(data_ptrs, codes.to(tl.uint8), mask=mask)
+        if tile_amax != tile_amax:
+            # rare: a tile holding a NaN stores its bytes again with torch's NaN byte, 0x7F|sign. A
+            # select on every tile's bytes instead would unpack the conversion's byte pairs.
+            tl.store(data_ptrs, fp8_nan_bits(y, codes).to(tl.uint8), mask=mask)
 
 
 def float8_block_quantize_triton(x: torch.Tensor, fp8_dtype: torch.dtype, *, tile_rows: int,

@@ -44,7 +44,7 @@ if HAS_TRITON:
     import triton
     import triton.language as tl
 
-    from te_compile.kernels._fp_bits import fp32_to_fp8_bits
+    from te_compile.kernels._fp_bits import fp8_bits_no_nan, nan_max
 
     @triton.jit
     def _mxfp8_quantize_kernel(
@@ -73,9 +73,8 @@ if HAS_TRITON:
         x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :], mask=mask, other=0.0)
         x = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK))
 
-        # NaN -> inf before the max: GPU max reductions may drop NaNs; either way the code is 255.
-        mag = tl.where(x != x, float("inf"), tl.abs(x))
-        amax = tl.max(mag, axis=2)  # [BLOCK_M, BLOCKS_PER_TILE]
+        # a NaN amax (nan_max keeps it, where tl.max would drop it) gives code 255, as an inf one does
+        amax = tl.reduce(tl.abs(x), 2, nan_max)  # [BLOCK_M, BLOCKS_PER_TILE]
         # IEEE round-to-nearest division: plain `/` on fp32 compiles to an approximate divide on GPUs
         val = tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32))
         bits = val.to(tl.int32, bitcast=True)
@@ -89,10 +88,15 @@ if HAS_TRITON:
         # 2^(127 - code) from its exponent bits: exact for codes 0..253 (finite amaxes give <= 247);
         # code 255 gives -inf and its bytes are replaced below
         inv_scale = ((254 - code) << 23).to(tl.float32, bitcast=True)
-        q = fp32_to_fp8_bits(x * inv_scale[:, :, None], IS_E4M3)  # [BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK]
-        q = tl.where((code == 255)[:, :, None], FP8_NAN, q)
-        q = tl.reshape(q, (BLOCK_M, BLOCK_K))
-        tl.store(data_ptr + rows[:, None] * K + cols[None, :], q.to(tl.uint8), mask=mask)
+        q = fp8_bits_no_nan(x * inv_scale[:, :, None], IS_E4M3)  # [BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK]
+        data_ptrs = data_ptr + rows[:, None] * K + cols[None, :]
+        tl.store(data_ptrs, tl.reshape(q, (BLOCK_M, BLOCK_K)).to(tl.uint8), mask=mask)
+        if tl.max(tl.max(code, axis=1), axis=0) == 255:
+            # rare: a tile with an inf or NaN block stores that block's bytes again as NaN. A select on
+            # every tile's bytes instead would unpack the conversion's byte pairs (+40% instructions).
+            nan_block = tl.reshape(tl.broadcast_to((code == 255)[:, :, None], (BLOCK_M, BLOCKS_PER_TILE, MX_BLOCK)),
+                                   (BLOCK_M, BLOCK_K))
+            tl.store(data_ptrs, tl.full((BLOCK_M, BLOCK_K), FP8_NAN, tl.uint8), mask=mask & nan_block)
 
         sblocks = pid_k * BLOCKS_PER_TILE + tl.arange(0, BLOCKS_PER_TILE)  # [BLOCKS_PER_TILE]
         smask = (rows[:, None] < M) & (sblocks[None, :] < n_blocks)

@@ -234,8 +234,10 @@ if HAS_TRITON:
 
     from te_compile.kernels._fp_bits import (
         e2m1_bits_to_fp32,
-        fp32_to_e2m1_bits,
+        e2m1_magnitude_code,
         fp32_to_fp8_bits,
+        max_drop_nan,
+        min_drop_nan,
         round_to_e4m3,
     )
 
@@ -251,7 +253,7 @@ if HAS_TRITON:
     ):
         """int32 E2M1 codes 0..15 of x * f (see the module docstring for the rules)."""
         v = x * f
-        a = tl.minimum(tl.abs(v), 6.0)
+        a = min_drop_nan(tl.abs(v), 6.0)          # NaN -> 6: code 7, the saturating conversion's
         if STOCHASTIC:
             lo_code = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
                        + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
@@ -260,9 +262,7 @@ if HAS_TRITON:
             inv_step = tl.where(lo_code < 4, 2.0, tl.where(lo_code < 6, 1.0, 0.5))
             mag = lo_code + (r < (a - lo) * inv_step).to(tl.int32)
         else:
-            mag = fp32_to_e2m1_bits(a) & 7
-        # NaN tests v (not a): GPU minimum drops NaNs, the interpreter's keeps them
-        mag = tl.where(v != v, 7, mag)
+            mag = e2m1_magnitude_code(a)
         sign = (x.to(tl.int32, bitcast=True) >> 31) & 1
         return mag | (sign << 3)
 
@@ -289,13 +289,14 @@ if HAS_TRITON:
         pid_k = tl.program_id(1).to(tl.int64)
         rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)                 # [BLOCK_M]
         pairs = pid_k * HALF + tl.arange(0, HALF)                      # [HALF] byte columns
-        cols = 2 * pairs                                               # even element of each byte
         row_ok = rows < M
-        mask = row_ok[:, None] & (cols[None, :] < K)                   # [BLOCK_M, HALF]
-        offs = rows[:, None] * stride_xm + cols[None, :]
-        # even / odd elements of each byte; outside x read as 0 (never raises an amax)
-        x0 = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        x1 = tl.load(x_ptr + offs + 1, mask=mask, other=0.0).to(tl.float32)
+        mask = row_ok[:, None] & (pairs[None, :] < K // 2)             # [BLOCK_M, HALF]
+        # the tile in one contiguous load (16-byte vectors; two loads at stride 2 would be scalar),
+        # split into the even / odd elements of each byte; outside x read as 0 (never raises an amax)
+        all_cols = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)             # [BLOCK_K]
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + all_cols[None, :],
+                    mask=row_ok[:, None] & (all_cols[None, :] < K), other=0.0).to(tl.float32)
+        x0, x1 = tl.split(tl.reshape(x, (BLOCK_M, HALF, 2)))           # [BLOCK_M, HALF] each
 
         # S: 448 * 6 / amax; div_rn is the correctly rounded division ('/' is approximate on GPU)
         amax = tl.load(amax_ptr)
@@ -303,11 +304,11 @@ if HAS_TRITON:
         s = tl.where(s > _FLT_MAX, _FLT_MAX, s)
         s = tl.where((amax == 0.0) | ~(tl.abs(amax) <= _FLT_MAX), 1.0, s)
 
-        # tile amax without NaNs: [BLOCK_M, HALF] -> [MT, TILE_ROWS, NB, 8] -> [MT, NB]
-        a0 = tl.where(x0 != x0, 0.0, tl.abs(x0))
-        a1 = tl.where(x1 != x1, 0.0, tl.abs(x1))
-        pair_amax = tl.reshape(tl.maximum(a0, a1), (MT, TILE_ROWS, NB, 8))
-        tile_amax = tl.max(tl.max(pair_amax, axis=3), axis=1)          # [MT, NB]
+        # tile amax without NaNs: [BLOCK_M, HALF] -> [MT, TILE_ROWS, NB, 8] -> [MT, NB]; a block of
+        # only NaNs gets 0 from the last max
+        pair_amax = tl.reshape(max_drop_nan(tl.abs(x0), tl.abs(x1)), (MT, TILE_ROWS, NB, 8))
+        tile_amax = tl.reduce(tl.reduce(pair_amax, 3, max_drop_nan), 1, max_drop_nan)
+        tile_amax = max_drop_nan(tile_amax, tl.zeros_like(tile_amax))  # [MT, NB]
         target = tl.div_rn(tile_amax, tl.full(tile_amax.shape, 6.0, tl.float32)) * s
         bs = round_to_e4m3(target)                                     # [MT, NB] fp32
         bs_byte = fp32_to_fp8_bits(target, True)                       # [MT, NB]
@@ -325,9 +326,9 @@ if HAS_TRITON:
                              (BLOCK_M, HALF))
 
         if STOCHASTIC:
-            r_offs = rows[:, None] * K + cols[None, :]
-            r0 = tl.load(rand_ptr + r_offs, mask=mask, other=0.0)
-            r1 = tl.load(rand_ptr + r_offs + 1, mask=mask, other=0.0)
+            r = tl.load(rand_ptr + rows[:, None] * K + all_cols[None, :],
+                        mask=row_ok[:, None] & (all_cols[None, :] < K), other=0.0)
+            r0, r1 = tl.split(tl.reshape(r, (BLOCK_M, HALF, 2)))
         else:
             r0 = x0
             r1 = x1
