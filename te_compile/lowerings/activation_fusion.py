@@ -124,6 +124,7 @@ class ActivationLinearSpec:
     weight_in_out: bool = False
     casts: tuple[torch.dtype, ...] = ()      # dtype casts between the activation and the linear
     fn: Optional[Callable] = None            # kind "custom": h -> a, the model's ops (an fx.GraphModule)
+    inductor: bool = True                    # the graph compiles with inductor (see _computed_once)
 
 
 class ActFp8LinearFunction(torch.autograd.Function):
@@ -136,7 +137,7 @@ class ActFp8LinearFunction(torch.autograd.Function):
     def forward(ctx, spec: ActivationLinearSpec, h, u, w_nk, carrier, x_scale, w_scale, g_scale, bias=None):
         recipe = spec.recipe
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
-        if x_scale is None:
+        if x_scale is None and spec.inductor:
             a = _computed_once(a)
         x_amax = tensor_amax(a, by_rows=x_scale is not None)   # delayed scaling: in the cast's pass
         # delayed scaling: both inverses in one op (None, None under current scaling)
@@ -192,7 +193,9 @@ def _computed_once(a: torch.Tensor) -> torch.Tensor:
     each loop that reads it: for gelu a second erf per element, which on a CPU costs more than the
     store and reload it saves (the demo's [512, 512] gelu: 0.46 ms a pass on one core, 5% of its step).
     Inductor keeps exp-, log-, tanh- and sigmoid-based producers as buffers on a CPU itself; erf is not
-    on its list. GPU kernels are memory-bound and keep the producer inline."""
+    on its list. GPU kernels are memory-bound and keep the producer inline. Only for inductor: under
+    aot_eager nothing is inlined, and the op would move the partitioner's choice of what to save (it
+    then recomputed the next linear's FP8 weight in the backward)."""
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
     if force is None or not _on_cpu(a):
         return a
@@ -245,7 +248,7 @@ class ActFp8GroupedLinearFunction(torch.autograd.Function):
         recipe, experts = spec.recipe, w_ekn.shape[0]
         groups = group_index(offs, h.shape[0])
         a = _cast(activation(spec.kind, h, u, spec.fn), spec.casts)
-        if x_scale is None:
+        if x_scale is None and spec.inductor:
             a = _computed_once(a)
         x_amax = group_amax(a, groups, experts)
         if x_scale is None:

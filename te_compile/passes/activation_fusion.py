@@ -154,7 +154,8 @@ def fuse_activations(ctx: PassContext, scope: GraphScope) -> int:
         grouped = isinstance(linear, GroupedLinearLowering)
         padded_by = _padding_producers(reader, kind, linear, h, u) if grouped else []
         spec = ActivationLinearSpec(fqn, kind, linear.spec.fqn, linear.spec.recipe,
-                                    False if grouped else linear.spec.weight_in_out, reader.casts)
+                                    False if grouped else linear.spec.weight_in_out, reader.casts,
+                                    inductor=ctx.config.compiler == "inductor")
         record(True, f"fused into {linear_name(reader)}" + (" (grouped GEMM)" if grouped else "")
                + (" (tanh GELU)" if kind.endswith("_tanh") else "")
                + (", the expert MLP's tokens padded once for all its GEMMs" if padded_by else "")
@@ -345,7 +346,7 @@ def fuse_hand_written_activations(ctx: PassContext, scope: GraphScope) -> int:
         if why is not None:
             continue
         spec = ActivationLinearSpec(fqn, "custom", linear.spec.fqn, linear.spec.recipe, linear.spec.weight_in_out,
-                                    reader.casts, _as_module(h, nodes))
+                                    reader.casts, _as_module(h, nodes), inductor=ctx.config.compiler == "inductor")
         _replace(scope.graph, reader, ActivationLinearLowering(spec, linear), h, None)
         count += 1
     return count
