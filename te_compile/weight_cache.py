@@ -38,11 +38,12 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from .recipe import Recipe
-from .scaling import quantize_per_tensor
+from .scaling import quantize_per_expert, quantize_per_tensor
 from .state import read_state
 from .tensor.float8_tensor import Float8Tensor
+from .tensor.grouped_float8_tensor import GroupedFloat8Tensor
 
-__all__ = ["cached_fp8_weight", "linked_fp8_weight", "cached_bytes"]
+__all__ = ["cached_fp8_weight", "linked_fp8_weight", "cached_fp8_experts", "linked_fp8_experts", "cached_bytes"]
 
 
 @dataclass
@@ -51,7 +52,7 @@ class _Entry:
     tensor: Float8Tensor
 
 
-# weight (by identity, held weakly) -> {(recipe, transposed, cast dtype): entry}
+# weight (by identity, held weakly) -> {(recipe, transposed, cast dtype[, "experts"]): entry}
 _CACHE = WeakIdKeyDictionary()
 
 
@@ -140,12 +141,84 @@ def linked_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "linked
     return _LinkToWeight.apply(weight, cached, transposed)
 
 
+def cached_fp8_experts(weight: torch.Tensor, recipe: Recipe, where: str = "cached_fp8_experts",
+                       transposed: bool = False, dtype: Optional[torch.dtype] = None,
+                       in_place: bool = True) -> GroupedFloat8Tensor:
+    """The FP8 operand of an MoE layer's expert weights ``weight``, stored [E, K, N] and read as it is by
+    the grouped GEMM ([E, N, K] read through ``.transpose(-2, -1)`` with ``transposed``), cast to
+    ``dtype`` first when given (the model's ``w.bfloat16()``), under the per-tensor current-scaling
+    ``recipe``: a ``GroupedFloat8Tensor`` of shape [E, K, N] and nominal dtype ``dtype`` (else the
+    weight's), one scale per expert, whose bytes lie [E, N, K] as the grouped lowering's own
+    quantization lays them (``expert_weight_operand``), so that it takes them without a copy. Cached and
+    made again as ``cached_fp8_weight``'s copy is."""
+    if not recipe.per_tensor or recipe.delayed():
+        raise ValueError(f"{where}: the expert weight cache takes per-tensor current scaling, got {recipe.name}")
+    if weight.dim() != 3:
+        raise ValueError(f"{where}: expert weights are 3-D [E, K, N], got shape {tuple(weight.shape)}")
+    fp8_dtype = recipe.fp8_format.dtype_for("weight")
+    if is_fake(weight):
+        e, k, n = weight.shape[0], *(weight.shape[:0:-1] if transposed else weight.shape[1:])
+        with detect_fake_mode([weight]) or contextlib.nullcontext():
+            data = torch.empty((e, n, k), dtype=torch.uint8, device=weight.device)
+            scale_inv = torch.empty(e, dtype=torch.float32, device=weight.device)
+            amax = torch.empty(e, dtype=torch.float32, device=weight.device)
+        return GroupedFloat8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype or weight.dtype,
+                                   amax=amax).transpose(1, 2)
+    key = _version_key(weight, None)
+    entries = _CACHE.setdefault(weight, {})
+    entry = entries.get((recipe, transposed, dtype, "experts"))
+    if entry is not None and entry.key == key:
+        return entry.tensor.transpose(1, 2)
+    with torch.no_grad():
+        w = weight.detach() if dtype is None else weight.detach().to(dtype)
+        data, scale_inv, amax = quantize_per_expert(w if transposed else w.transpose(1, 2), "weight", recipe)
+        data = data.contiguous().view(torch.uint8)
+        held = entry.tensor if entry is not None else None
+        if in_place and held is not None and held._data.shape == data.shape and held._data.device == data.device:
+            held._data.copy_(data)
+            held._scale_inv.copy_(scale_inv)
+            held._amax.copy_(amax)
+            entry.key = key
+            return held.transpose(1, 2)
+    tensor = GroupedFloat8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype or weight.dtype,
+                                 amax=amax)
+    entries[(recipe, transposed, dtype, "experts")] = _Entry(key, tensor)
+    return tensor.transpose(1, 2)
+
+
+class _LinkToExperts(torch.autograd.Function):
+    """``_LinkToWeight`` for expert weights: a fresh [E, K, N] view of the cached bytes whose gradient
+    ([E, K, N], in the dtype the call read the weight in) goes to ``weight``, cast to its dtype as the
+    model's own cast would pass it back."""
+
+    @staticmethod
+    def forward(ctx, weight: torch.Tensor, cached: GroupedFloat8Tensor, transposed: bool) -> GroupedFloat8Tensor:
+        ctx.transposed, ctx.dtype = transposed, weight.dtype
+        return GroupedFloat8Tensor(data=cached._data, scale_inv=cached._scale_inv, fp8_dtype=cached._fp8_dtype,
+                                   dtype=cached.dtype, amax=cached._amax)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.to(ctx.dtype)
+        return (grad.transpose(1, 2) if ctx.transposed else grad), None, None
+
+
+def linked_fp8_experts(weight: torch.Tensor, recipe: Recipe, where: str = "linked_fp8_experts",
+                       transposed: bool = False, dtype: Optional[torch.dtype] = None) -> GroupedFloat8Tensor:
+    """``cached_fp8_experts``'s copy for a training graph, linked to ``weight`` by autograd (as
+    ``linked_fp8_weight``'s), in new buffers when the weight changed."""
+    cached = cached_fp8_experts(weight, recipe, where, transposed, dtype, in_place=False)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return cached
+    return _LinkToExperts.apply(weight, cached, transposed)
+
+
 def cached_bytes(weights) -> int:
     """Bytes of the FP8 copies (data and scales) the cache holds for ``weights`` (e.g. a model's
     parameters)."""
     total = 0
     for w in weights:
         for entry in (_CACHE[w].values() if w in _CACHE else ()):
-            data, scale_inv = entry.tensor._data, entry.tensor._scale_inv
-            total += data.numel() * data.element_size() + scale_inv.numel() * scale_inv.element_size()
+            parts = (entry.tensor._data, entry.tensor._scale_inv, getattr(entry.tensor, "_amax", None))
+            total += sum(t.numel() * t.element_size() for t in parts if t is not None)
     return total

@@ -27,14 +27,18 @@ if _WORKERS > 1:
 @pytest.fixture
 def quantizations(monkeypatch):
     """The shapes of the weights te_compile.weight_cache quantizes, in order (the inference and the
-    training weight-cache tests count them)."""
+    training weight-cache tests count them); an expert weight as [E, N, K]."""
     import te_compile.weight_cache as weight_cache
 
-    seen, real = [], weight_cache.quantize_per_tensor
+    seen = []
 
-    def counting(t, *args, **kwargs):
-        seen.append(tuple(t.shape))
-        return real(t, *args, **kwargs)
+    def counting(real):
+        def count(t, *args, **kwargs):
+            seen.append(tuple(t.shape))
+            return real(t, *args, **kwargs)
+        return count
 
-    monkeypatch.setattr(weight_cache, "quantize_per_tensor", counting)
+    # dense weights per tensor, an MoE layer's expert weights per expert
+    for name in ("quantize_per_tensor", "quantize_per_expert"):
+        monkeypatch.setattr(weight_cache, name, counting(getattr(weight_cache, name)))
     return seen

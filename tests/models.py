@@ -95,6 +95,25 @@ class ActivationMLP(nn.Module):
 
 
 
+class GroupedSwiGLU(nn.Module):
+    """torchtitan-style MoE experts: SwiGLU through torch._grouped_mm on bf16 copies of the weights, w1
+    and w3 stored [E, out, in] and read transposed, w2 stored [E, in, out]; [8, 32] tokens, 2 per
+    expert, -> [8, 16] in bf16."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(4, 64, 32) / 6)
+        self.w3 = nn.Parameter(torch.randn(4, 64, 32) / 6)
+        self.w2 = nn.Parameter(torch.randn(4, 64, 16) / 8)
+
+    def forward(self, x):
+        offs = torch.tensor([2, 4, 6, 8], dtype=torch.int32)
+        xb = x.bfloat16()
+        h = F.silu(torch._grouped_mm(xb, self.w1.bfloat16().transpose(-2, -1), offs=offs))
+        h = h * torch._grouped_mm(xb, self.w3.bfloat16().transpose(-2, -1), offs=offs)
+        return torch._grouped_mm(h, self.w2.bfloat16(), offs=offs)
+
+
 class TitanAttention(nn.Module):
     """torchtitan's attention without rotary embeddings: wq / wk / wv / wo, local heads found from the
     projections' width (``view(bs, seqlen, -1, head_dim)``), so tensor parallelism needs no change."""

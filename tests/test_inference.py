@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import te_compile
 from te_compile.data import get_batch
+from models import GroupedSwiGLU
 from utils import sqnr
 
 transformers = pytest.importorskip("transformers", reason="needs transformers for HF model code")
@@ -121,6 +122,27 @@ def test_cached_weight_is_made_again_when_the_weight_or_its_scale_changes(quanti
     state["up.weight.scale"] = state["up.weight.scale"] * 0.5
     te_compile.load_recipe_state_dict(model, state)
     check(12)   # loading writes every state tensor: every copy is made again
+
+
+def test_moe_expert_weights_are_quantized_once_and_again_when_they_change(quantizations):
+    torch.manual_seed(0)
+    model = GroupedSwiGLU()
+    compiled = _compiled(model, "Float8CurrentScaling")
+    x = torch.randn(8, 32)
+    training = compiled(x).detach()
+    assert quantizations == []
+    with torch.no_grad():
+        outs = [compiled(x) for _ in range(5)]
+    # w1, w3 as stored [E, N, K], w2 (stored [E, K, N]) transposed: each once over five calls
+    assert sorted(quantizations) == [(4, 16, 64), (4, 64, 32), (4, 64, 32)]
+    for out in outs:
+        assert torch.equal(out, training)
+    rows = [r for r in te_compile.report().sites if r.op == "grouped_linear" and r.graph > 0]
+    assert len(rows) == 3 and all("expert weights quantized once, cached across calls" in r.reason for r in rows)
+    with torch.no_grad():
+        model.w2.mul_(2)
+        y = compiled(x)
+    assert len(quantizations) == 4 and torch.equal(y, compiled(x).detach())
 
 
 # ---- [inference] scaling and activation_scaling ---------------------------------------------------------

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 import te_compile
-from models import TinyGPT
+from models import GroupedSwiGLU, TinyGPT
 from utils import needs_gloo, run_ranks
 
 
@@ -44,6 +44,13 @@ class Conv1DMLP(nn.Module):
 
     def forward(self, x, targets):
         return F.mse_loss(F.gelu(self.up(x)) @ self.proj, targets)
+
+
+class ExpertMLP(GroupedSwiGLU):
+    """GroupedSwiGLU and a loss."""
+
+    def forward(self, x, targets):
+        return F.mse_loss(super().forward(x).float(), targets)
 
 
 def _batches(model, steps, micro_batches):
@@ -117,6 +124,21 @@ def test_checkpointed_blocks_and_a_weight_read_as_x_at_w(quantizations):
     quantizations.clear()
     _compare(Conv1DMLP, "Float8CurrentScaling", "aot_eager", quantizations)
     assert quantizations == [(64, 32), (16, 64)] * 2   # proj quantized as [N, K]
+
+
+@pytest.mark.parametrize("compiler, weights", [("aot_eager", torch.float32), ("inductor", torch.float32),
+                                               ("aot_eager", torch.bfloat16)])
+def test_moe_expert_weights_are_quantized_once_per_step(compiler, weights, quantizations):
+    # fp32 weights: the copy is made from the model's bf16 cast, and the gradient goes back through it
+    with torch._inductor.config.patch(emulate_precision_casts=True):
+        sites = _compare(ExpertMLP, "Float8CurrentScaling", compiler, quantizations, weights=weights)
+    # w1, w3 as stored ([E, N, K]), w2 transposed to [E, N, K]; once at each of the two steps' first
+    # micro-batch
+    assert sorted(quantizations) == sorted([(4, 64, 32), (4, 64, 32), (4, 16, 64)] * 2)
+    rows = [r for r in sites if r.op == "grouped_linear"]
+    assert len(rows) == 3 and all("reused by every micro-batch" in r.reason for r in rows), rows
+    # the SwiGLU between the grouped GEMMs still fuses into the second one
+    assert [r.rewritten for r in sites if r.op == "swiglu"] == [True]
 
 
 def test_delayed_scaling_sites_quantize_at_every_call(quantizations):

@@ -33,6 +33,7 @@ from ..fx.gemm_operands import (BMM_FNS, GroupedSite, argument, batched_experts,
                                 reaches_param)
 from ..fx.graphs import GraphScope, module_fqn
 from ..fx.matching import shape_text, value_of
+from .cached_weights import cached_expert_weight
 from .context import PassContext
 from .eligibility import divisible
 
@@ -194,7 +195,8 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
             else:
                 first_reader[key] = (site.param.name, extra[1])
         spec = GroupedLinearSpec(site.fqn, recipe, _align(site, recipe))
-        planned.append((site, GroupedLinearLowering(spec), extra))
+        cached = cached_expert_weight(ctx, scope, site, recipe)
+        planned.append((site, GroupedLinearLowering(spec), extra, cached))
         x = value_of(site.x)
         layout = "[E, in, out]" if site.weight_in_out else "[E, out, in]"
         if recipe.per_tensor:
@@ -206,21 +208,27 @@ def rewrite_grouped_linears(ctx: PassContext, scope: GraphScope) -> int:
         why += ctx.local_shard_note(site.param)
         if isinstance(value_of(site.weight), GroupedFloat8Tensor):
             why += "; weight already FP8 per expert (FSDP2's all-gather or an FP8 primary weight), used as is"
+        if cached is not None and ctx.inference:
+            why += "; expert weights quantized once, cached across calls until they change (inference graph)"
+        elif cached is not None:
+            why += ("; expert weights quantized once per optimizer step, their FP8 copy reused by every "
+                    "micro-batch until they change (cache_fp8_weights)")
         record(True, f"{site.op_name} -> {kind}, weight {layout} ({why})", recipe.name, collectives)
-    for site, lowering, extra in reversed(planned):   # consumers first, as in the linear pass
-        _replace(site, lowering, extra)
+    for site, lowering, extra, cached in reversed(planned):   # consumers first, as in the linear pass
+        _replace(site, lowering, extra, site.weight if cached is None else cached)
     return len(planned)
 
 
-def _replace(site: GroupedSite, lowering: GroupedLinearLowering, extra: list) -> None:
-    """The site's call replaced by the lowering's; a batched bmm [E, T, K] runs as E groups of T rows
-    (x flattened to [E * T, K], offs None) and its output is unflattened back to [E, T, N]."""
+def _replace(site: GroupedSite, lowering: GroupedLinearLowering, extra: list, weight: fx.Node) -> None:
+    """The site's call replaced by the lowering's, reading ``weight`` (the site's, or its cached FP8
+    copy); a batched bmm [E, T, K] runs as E groups of T rows (x flattened to [E * T, K], offs None)
+    and its output is unflattened back to [E, T, N]."""
     if not site.batched:
-        replace_with_call(site.node, lowering, (site.x, site.weight, site.offs, *extra))
+        replace_with_call(site.node, lowering, (site.x, weight, site.offs, *extra))
         return
     # offs None: the lowering cuts the rows into E equal groups
     x = insert_call(site.node, "flatten", (site.x, 0, 1), method=True)
-    new = insert_call(site.node, lowering, (x, site.weight, site.offs, *extra), like=site.node)
+    new = insert_call(site.node, lowering, (x, weight, site.offs, *extra), like=site.node)
     with value_of(site.node).fake_mode:
         new.meta["example_value"] = value_of(site.node).flatten(0, 1)
     out = insert_call(site.node, "unflatten", (new, 0, (value_of(site.x).shape[0], -1)), method=True)
