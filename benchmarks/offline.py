@@ -32,8 +32,9 @@ tensorwise`` (dense cases: ``convert_to_float8_training`` with its GPU GEMMs, po
 runs) and ``torchao MoE float8 rowwise`` (the MoE case: bench_moe's ``quantize_`` of the experts,
 whose FP8 grouped GEMMs run eagerly between graph breaks and are not in the counts); ``torchao float8
 rowwise`` and, for the dense cases, ``te Float8CurrentScaling cached weights`` (``cache_fp8_weights``:
-the graph of a gradient-accumulation micro-batch after the first, which reads each weight's FP8 copy)
-on request.
+the graph of a gradient-accumulation micro-batch after the first, which reads each weight's FP8 copy;
+for the MoE layer ``te Float8CurrentScaling E4M3 cached weights``, its expert weights' copies) on
+request.
 
 Columns, per graph: launches (every Triton kernel and extern call the wrapper makes); tiny (Triton
 launches moving under 1 MB: amaxes, scales, zero fills, bound by launch latency, not bandwidth); te
@@ -154,6 +155,9 @@ PROVIDERS: dict[str, Provider] = {p.name: p for p in (
              cases=_DENSE, default=False),
     # E4M3 gradients: the experts' backward GEMMs in torch._scaled_grouped_mm (E4M3 only) as well
     Provider("te Float8CurrentScaling E4M3", _te("Float8CurrentScaling", fp8_format="E4M3"), cases=("moe",)),
+    # and the expert weights' FP8 copies read as graph inputs (a micro-batch after the first)
+    Provider("te Float8CurrentScaling E4M3 cached weights",
+             _te("Float8CurrentScaling", fp8_format="E4M3", cache_fp8_weights=True), cases=("moe",), default=False),
     Provider("torchao float8 tensorwise", lambda: "inductor", _torchao_dense("tensorwise"), _DENSE, torchao=True),
     Provider("torchao float8 rowwise", lambda: "inductor", _torchao_dense("rowwise"), _DENSE, torchao=True,
              default=False),
