@@ -75,27 +75,37 @@ def cached_fp8_weight(weight: torch.Tensor, recipe: Recipe, where: str = "cached
         return _fake_copy(weight, recipe, transposed, dtype)
     # the graph's scale, read and never created here: serving adds no recipe state
     scale = read_state(weight, recipe.amax_history_len, where).roles["weight"].scale if recipe.delayed() else None
-    key = _version_key(weight, scale)
-    entries = _CACHE.setdefault(weight, {})
-    entry = entries.get((recipe, transposed, dtype))
-    if entry is not None and entry.key == key:
-        return entry.tensor
-    with torch.no_grad():
+
+    def quantize() -> Float8Tensor:
         w_nk = weight.detach() if dtype is None else weight.detach().to(dtype)
         w_nk = w_nk.t().contiguous() if transposed else w_nk
         data, scale_inv, _ = quantize_per_tensor(w_nk, "weight", recipe, scale)
-        data = data.view(torch.uint8)
-        if (in_place and entry is not None and entry.tensor._data.shape == data.shape
-                and entry.tensor._data.device == data.device):
-            # written where the old copy lives: a graph under CUDA graphs reads its inputs at the
-            # addresses it was recorded with (the placeholder is marked static)
-            entry.tensor._data.copy_(data)
-            entry.tensor._scale_inv.copy_(scale_inv)
-            entry.key = key
-            return entry.tensor
-    tensor = Float8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=recipe.fp8_format.dtype_for("weight"),
-                          dtype=dtype or weight.dtype)
-    entries[(recipe, transposed, dtype)] = _Entry(key, tensor)
+        return Float8Tensor(data=data.view(torch.uint8), scale_inv=scale_inv,
+                            fp8_dtype=recipe.fp8_format.dtype_for("weight"), dtype=dtype or weight.dtype)
+
+    return _cached(weight, (recipe, transposed, dtype), _version_key(weight, scale), in_place, quantize)
+
+
+def _cached(weight: torch.Tensor, slot: tuple, key: tuple, in_place: bool, quantize):
+    """The copy of ``weight`` at ``slot`` when it was made at version ``key``, else ``quantize()``'s new
+    one: written over the old copy's buffers when ``in_place`` and they match, else kept in new ones."""
+    entries = _CACHE.setdefault(weight, {})
+    entry = entries.get(slot)
+    if entry is not None and entry.key == key:
+        return entry.tensor
+    with torch.no_grad():
+        tensor = quantize()
+    held = entry.tensor if entry is not None else None
+    if (in_place and held is not None and held._data.shape == tensor._data.shape
+            and held._data.device == tensor._data.device):
+        # written where the old copy lives: a graph under CUDA graphs reads its inputs at the
+        # addresses it was recorded with (the placeholder is marked static)
+        for name in ("_data", "_scale_inv", "_amax"):
+            if getattr(tensor, name) is not None:
+                getattr(held, name).copy_(getattr(tensor, name))
+        entry.key = key
+        return held
+    entries[slot] = _Entry(key, tensor)
     return tensor
 
 
@@ -164,26 +174,15 @@ def cached_fp8_experts(weight: torch.Tensor, recipe: Recipe, where: str = "cache
             amax = torch.empty(e, dtype=torch.float32, device=weight.device)
         return GroupedFloat8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype or weight.dtype,
                                    amax=amax).transpose(1, 2)
-    key = _version_key(weight, None)
-    entries = _CACHE.setdefault(weight, {})
-    entry = entries.get((recipe, transposed, dtype, "experts"))
-    if entry is not None and entry.key == key:
-        return entry.tensor.transpose(1, 2)
-    with torch.no_grad():
+
+    def quantize() -> GroupedFloat8Tensor:
         w = weight.detach() if dtype is None else weight.detach().to(dtype)
         data, scale_inv, amax = quantize_per_expert(w if transposed else w.transpose(1, 2), "weight", recipe)
-        data = data.contiguous().view(torch.uint8)
-        held = entry.tensor if entry is not None else None
-        if in_place and held is not None and held._data.shape == data.shape and held._data.device == data.device:
-            held._data.copy_(data)
-            held._scale_inv.copy_(scale_inv)
-            held._amax.copy_(amax)
-            entry.key = key
-            return held.transpose(1, 2)
-    tensor = GroupedFloat8Tensor(data=data, scale_inv=scale_inv, fp8_dtype=fp8_dtype, dtype=dtype or weight.dtype,
-                                 amax=amax)
-    entries[(recipe, transposed, dtype, "experts")] = _Entry(key, tensor)
-    return tensor.transpose(1, 2)
+        return GroupedFloat8Tensor(data=data.contiguous().view(torch.uint8), scale_inv=scale_inv, fp8_dtype=fp8_dtype,
+                                   dtype=dtype or weight.dtype, amax=amax)
+
+    slot = (recipe, transposed, dtype, "experts")
+    return _cached(weight, slot, _version_key(weight, None), in_place, quantize).transpose(1, 2)
 
 
 class _LinkToExperts(torch.autograd.Function):
