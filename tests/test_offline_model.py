@@ -20,21 +20,13 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
+from utils import BENCHMARKS, sm90_build_available
+
+ROOT = os.path.dirname(BENCHMARKS)
 PROVIDER = "te Float8CurrentScaling"
 
 
-def _ptxas() -> tuple[bool, str]:
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        from _output_code import ptxas_available
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return ptxas_available()
-
-
-_OK, _WHY = _ptxas()
+_OK, _WHY = sm90_build_available()
 
 
 def _run_offline(out, *args: str) -> dict:

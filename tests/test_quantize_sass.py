@@ -14,20 +14,12 @@ import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCHMARKS = os.path.join(ROOT, "benchmarks")
+from utils import BENCHMARKS, sm90_build_available
+
+ROOT = os.path.dirname(BENCHMARKS)
 
 
-def _ptxas() -> tuple[bool, str]:
-    sys.path.insert(0, BENCHMARKS)
-    try:
-        from _output_code import ptxas_available
-    finally:
-        sys.path.remove(BENCHMARKS)
-    return ptxas_available()
-
-
-_OK, _WHY = _ptxas()
+_OK, _WHY = sm90_build_available()
 pytestmark = pytest.mark.skipif(not _OK, reason=_WHY or "needs ptxas")
 
 

@@ -4,7 +4,9 @@ the plain-torch per-tensor FP8 reference the quantizers are checked against."""
 from __future__ import annotations
 
 import math
+import os
 import random
+import sys
 from typing import Optional
 
 import pytest
@@ -300,3 +302,17 @@ def on_kernel_device(launcher):
         return tree_map(lambda t: t.cpu() if isinstance(t, torch.Tensor) else t, out)
 
     return call
+
+
+BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks")
+
+
+def sm90_build_available() -> tuple[bool, str]:
+    """(whether kernels can be built for sm90 here, why not): benchmarks/_output_code.py's check, for
+    the tests that run the benchmarks' sm90 builds in a subprocess."""
+    sys.path.insert(0, BENCHMARKS)
+    try:
+        from _output_code import ptxas_available
+    finally:
+        sys.path.remove(BENCHMARKS)
+    return ptxas_available()
