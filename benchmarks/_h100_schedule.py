@@ -119,8 +119,8 @@ def gpu_trace():
     from triton.backends.compiler import GPUTarget
     from te_compile.gemm import grouped, per_tensor
     from te_compile.kernels import norm_quantize
-    from te_compile.lowerings import activation_fusion
-    from te_compile.passes import eligibility, grouped_linear
+    from te_compile import hardware
+    from te_compile.passes import grouped_linear
 
     align = grouped_linear._align
 
@@ -136,8 +136,7 @@ def gpu_trace():
             mock.patch.object(grouped, "uses_native_grouped_gemm", _as_on_sm90(grouped.uses_native_grouped_gemm)), \
             mock.patch.object(grouped, "uses_bf16_grouped_gemm", _as_on_sm90(grouped.uses_bf16_grouped_gemm)), \
             mock.patch.object(grouped_linear, "_align", align_on_sm90), \
-            mock.patch.object(eligibility, "_on_gpu", lambda x: True), \
-            mock.patch.object(activation_fusion, "_on_cpu", lambda t: False), \
+            mock.patch.object(hardware, "code_device_type", lambda t: "cuda"), \
             mock.patch.object(triton.runtime.driver, "_active", sm90):
         yield
 

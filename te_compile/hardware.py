@@ -19,6 +19,7 @@ __all__ = [
     "is_fp8_block_scaling_available",
     "is_nvfp4_available",
     "is_activation_offload_available",
+    "code_device_type",
 ]
 
 DeviceLike = Optional[Union[str, torch.device]]
@@ -139,3 +140,11 @@ def is_activation_offload_available(return_reason: bool = False, device: DeviceL
                        "te runs the side-stream transfers with", return_reason)
     return _answer(True, f"activation offload: side-stream transfers to pinned host memory on {device}",
                    return_reason)
+
+
+def code_device_type(t: torch.Tensor) -> str:
+    """The device type whose code a compiled graph holding ``t`` is generated for: ``t``'s own.
+    benchmarks/offline.py answers "cuda" while it traces, on a CPU, the code inductor would write for an
+    H100; the passes and lowerings that choose by device call it through this module so that one patch
+    covers them all."""
+    return t.device.type

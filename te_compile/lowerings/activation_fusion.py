@@ -33,6 +33,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from .. import hardware
 from ..autocast import autocast_dtype
 from ..fx.cache_names import name_lowering
 from ..gemm.grouped import group_index
@@ -181,12 +182,6 @@ class ActFp8LinearFunction(torch.autograd.Function):
         return (None, dh, du, dw, carrier_grad, None, None, None, db)[:len(ctx.needs_input_grad)]
 
 
-def _on_cpu(t: torch.Tensor) -> bool:
-    """Whether inductor writes C++ for ``t``'s device (benchmarks/offline.py answers no for its CPU trace
-    of an H100's code)."""
-    return t.device.type == "cpu"
-
-
 def _computed_once(a: torch.Tensor) -> torch.Tensor:
     """``a`` as a buffer of its own in inductor's CPU code, the same values. Current scaling reads the
     activation twice, for its amax and then for its cast, and inductor inlines a pointwise producer into
@@ -197,7 +192,7 @@ def _computed_once(a: torch.Tensor) -> torch.Tensor:
     aot_eager nothing is inlined, and the op would move the partitioner's choice of what to save (it
     then recomputed the next linear's FP8 weight in the backward)."""
     force = getattr(torch.ops.prims, "inductor_force_stride_order", None)
-    if force is None or not _on_cpu(a):
+    if force is None or hardware.code_device_type(a) != "cpu":
         return a
     return force.default(a, a.stride())
 

@@ -6,6 +6,7 @@ from typing import Optional
 
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from .. import hardware
 from ..distributed import is_dtensor, local_value
 from ..gemm.operands import FLOAT_DTYPES
 from ..recipe import Recipe
@@ -48,12 +49,6 @@ def shape_str(site: LinearSite) -> str:
     return " ".join(parts)
 
 
-def _on_gpu(x) -> bool:
-    """Whether the site's GEMMs run on a GPU (benchmarks/offline.py answers yes for its CPU trace of an
-    H100's code)."""
-    return x.device.type == "cuda"
-
-
 def why_small_gemm(site: LinearSite, recipe: Recipe, setting: str) -> Optional[str]:
     """Why an otherwise eligible site stays in high precision because its GEMM is too small for FP8 to
     win on its GPU in training (``SMALL_GEMM_DIM``), or None: always None under ``setting`` "fp8", on a
@@ -63,7 +58,7 @@ def why_small_gemm(site: LinearSite, recipe: Recipe, setting: str) -> Optional[s
     if setting != "auto" or not recipe.per_tensor or site.expert is not None or site.weight_first:
         return None
     x, w = local_value(value_of(site.x)), local_value(value_of(site.weight))
-    if x is None or w is None or not _on_gpu(x) or w.dim() != 2:
+    if x is None or w is None or hardware.code_device_type(x) != "cuda" or w.dim() != 2:
         return None
     n, k = (w.shape[1], w.shape[0]) if site.weight_in_out else (w.shape[0], w.shape[1])
     m = x.numel() // k
