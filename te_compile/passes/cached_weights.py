@@ -131,7 +131,9 @@ def _expert_read(scope: GraphScope, site: GroupedSite) -> Optional[torch.dtype]:
     """The dtype a grouped call reads its parameter in, when it reads the parameter itself through at
     most one transpose of its last two dims and dtype casts (torchtitan's ``w.bfloat16().transpose(-2,
     -1)``), else None: a slice, a copy to another device or any other op makes bytes the cache's would
-    not match."""
+    not match. Stricter than fx.gemm_operands.param_behind, which found the parameter: that walk also
+    passes ``.detach()`` (the cached copy's link would give the parameter a gradient the call cut) and
+    more than one transpose."""
     node, transposes = site.weight, 0
     while node not in scope.params:
         name = getattr(node.target, "__name__", node.target)
